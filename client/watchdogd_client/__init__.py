@@ -1,0 +1,64 @@
+"""watchdogd_client: arm deadline timers around work that can hang.
+
+::
+
+    import watchdogd_client as wd
+
+    with wd.expires(after=60):  # killed by watchdogd if the block runs past 60 s
+        train_step()
+
+Transports: :class:`SocketTimerClient` (the daemon's Unix socket, identity
+from the kernel) and :class:`FileTimerClient` (torch's FIFO wire format).
+Both implement torch's ``TimerClient``, so they also work with
+``torch.distributed.elastic.timer.configure``/``expires``. Imports nothing
+beyond the standard library and msgspec.
+"""
+
+from __future__ import annotations
+
+from . import events, protocol
+from ._errors import (
+    DaemonUnavailableError,
+    FifoFullError,
+    NotConfiguredError,
+    ProtocolError,
+    RequestError,
+    WatchdogError,
+)
+from ._fifo import FileTimerClient
+from ._paths import default_fifo_path, default_runtime_dir, default_socket_path
+from ._socket import SocketTimerClient
+from ._timer import TimerClient, configure, expires, get_client
+
+__all__ = [
+    "DaemonUnavailableError",
+    "FifoFullError",
+    "FileTimerClient",
+    "NotConfiguredError",
+    "ProtocolError",
+    "RequestError",
+    "SocketTimerClient",
+    "TimerClient",
+    "WatchdogError",
+    "configure",
+    "default_fifo_path",
+    "default_runtime_dir",
+    "default_socket_path",
+    "events",
+    "expires",
+    "get_client",
+    "list_timers",
+    "status",
+]
+
+
+def list_timers(path: str | None = None) -> list[protocol.TimerInfo]:
+    """Every timer the daemon at ``path`` (default socket) holds, soonest first."""
+    with SocketTimerClient(path, name="query") as client:
+        return client.list_timers()
+
+
+def status(path: str | None = None) -> protocol.StatusInfo:
+    """The daemon's status: endpoints, counts, counters."""
+    with SocketTimerClient(path, name="query") as client:
+        return client.status()

@@ -1,0 +1,263 @@
+"""The socket client: pipelined timer requests and blocking queries.
+
+``acquire``/``release`` write one frame and return: the daemon answers them
+only when they fail, and a failure is raised by the next call that finds it
+waiting (after that call's own request was sent, so a release is never held
+back by an older error). :meth:`SocketTimerClient.sync` waits until the daemon
+has processed everything sent so far.
+
+The client remembers the scopes it holds. When the daemon goes away (it was
+restarted, or upgraded), the next call reconnects and re-arms them before
+sending its own request; a deadline that passed meanwhile fires at once.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal as _signal
+import socket
+import weakref
+from typing import TypeVar
+
+import msgspec
+
+from . import protocol as p
+from ._errors import DaemonUnavailableError, ProtocolError, RequestError
+from ._paths import default_socket_path
+from ._timer import TimerClient
+
+__all__ = ["SocketTimerClient"]
+
+_R = TypeVar("_R", bound=p.Reply)
+
+_encoder = msgspec.msgpack.Encoder()
+_reply_decoder = msgspec.msgpack.Decoder(p.Reply)
+_live_clients: weakref.WeakSet[SocketTimerClient] = weakref.WeakSet()
+
+
+class SocketTimerClient(TimerClient):
+    """A connection to the daemon's Unix socket.
+
+    ``path`` defaults to ``$WATCHDOGD_SOCKET``, else the daemon's default
+    socket. ``signal`` is sent to this process when one of its timers expires
+    (``<= 0``: record the expiry only). ``timeout`` bounds connecting and
+    waiting for replies.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        signal: int = _signal.SIGKILL,
+        *,
+        timeout: float = 10.0,
+        name: str = "",
+    ) -> None:
+        if path is None:
+            path = os.environ.get("WATCHDOGD_SOCKET") or default_socket_path()
+        self.path = str(path)
+        self.signal = int(signal)
+        self.timeout = timeout
+        self.name = name
+        self._sock: socket.socket | None = None
+        self._poller = select.poll()
+        self._next_seq = 0
+        self._buffer = bytearray()
+        self._errors: list[RequestError] = []
+        self._held: dict[str, tuple[float, int]] = {}
+        self.welcome: p.Welcome | None = None
+        _live_clients.add(self)
+
+    # -- TimerClient -----------------------------------------------------------
+
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        """Arm ``scope_id`` for this process, expiring at ``expiration_time`` (wall clock)."""
+        if expiration_time < 0:
+            self.release(scope_id)
+            return
+        self._send(p.Acquire(scope_id, expiration_time, self.signal))
+        self._held[scope_id] = (expiration_time, self.signal)
+        self._raise_pending()
+
+    def release(self, scope_id: str) -> None:
+        """Disarm ``scope_id`` for this process."""
+        self._held.pop(scope_id, None)
+        self._send(p.Release(scope_id))
+        self._raise_pending()
+
+    # -- beyond torch ----------------------------------------------------------
+
+    def acquire_for(self, pid: int, scope_id: str, expiration_time: float, signal: int) -> None:
+        """Arm a timer on another process (needs the daemon's permission)."""
+        self._send(p.Acquire(scope_id, expiration_time, signal, pid))
+        self._raise_pending()
+
+    def release_for(self, pid: int, scope_id: str) -> None:
+        self._send(p.Release(scope_id, pid))
+        self._raise_pending()
+
+    def release_all(self, pid: int | None = None) -> None:
+        """Disarm every timer of ``pid`` (default: this process)."""
+        if pid is None:
+            self._held.clear()
+        self._send(p.ReleaseAll(pid))
+        self._raise_pending()
+
+    def sync(self) -> None:
+        """Wait until the daemon processed every request sent so far; raise its errors."""
+        self.request(p.Sync(), p.Synced)
+
+    def list_timers(self) -> list[p.TimerInfo]:
+        return self.request(p.ListTimers(), p.TimerList).timers
+
+    def status(self) -> p.StatusInfo:
+        return self.request(p.GetStatus(), p.StatusInfo)
+
+    def request(self, message: p.Request, expect: type[_R]) -> _R:
+        """Send ``message`` and wait for its reply, which must be an ``expect``."""
+        seq = self._send(message)
+        sock = self._connected()
+        while True:
+            reply = self._next_reply(sock)
+            if reply.seq == seq:
+                break
+            if isinstance(reply, p.Error):
+                self._errors.append(RequestError(reply.code, reply.message, reply.seq))
+        self._raise_pending()
+        if isinstance(reply, p.Error):
+            raise RequestError(reply.code, reply.message, reply.seq)
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"expected {expect.__name__} for seq {seq}, got {reply!r}")
+        return reply
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._poller.unregister(self._sock)
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> SocketTimerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- plumbing --------------------------------------------------------------
+
+    def _send(self, message: p.Request) -> int:
+        """Send one request; its seq. Errors already waiting are collected, not raised."""
+        payload = _encoder.encode(message)
+        data = len(payload).to_bytes(p.FRAME_HEADER_SIZE, "big") + payload
+        sock = self._sock or self._connect()
+        try:
+            sock.sendall(data)
+        except OSError:
+            # The daemon went away (restart, upgrade): reconnect once, re-arm
+            # what we hold, then send this request.
+            self.close()
+            sock = self._connect()
+            sock.sendall(data)
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def _raise_pending(self) -> None:
+        sock = self._sock
+        if sock is not None and self._poller.poll(0):
+            self._read_available(sock)
+        if self._errors:
+            raise self._errors.pop(0)
+
+    def _connected(self) -> socket.socket:
+        return self._sock or self._connect()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError, TimeoutError) as e:
+            sock.close()
+            raise DaemonUnavailableError(self.path, e.strerror or type(e).__name__) from None
+        self._sock = sock
+        self._poller.register(sock, select.POLLIN)
+        self._buffer.clear()
+        self._next_seq = 1
+        try:
+            sock.sendall(p.frame(_encoder.encode(p.Hello(p.PROTOCOL_VERSION, self.name))))
+            welcome = self._next_reply(sock)
+        except DaemonUnavailableError:
+            self.close()
+            raise
+        if isinstance(welcome, p.Error):
+            self.close()
+            raise ProtocolError(f"daemon at {self.path} refused hello: {welcome.message}")
+        if not isinstance(welcome, p.Welcome):
+            self.close()
+            raise ProtocolError(f"daemon at {self.path} answered hello with {welcome!r}")
+        self.welcome = welcome
+        for scope_id, (expiration_time, signal) in self._held.items():
+            sock.sendall(p.frame(_encoder.encode(p.Acquire(scope_id, expiration_time, signal))))
+            self._next_seq += 1
+        return sock
+
+    def _next_reply(self, sock: socket.socket) -> p.Reply:
+        while True:
+            reply = self._pop_frame()
+            if reply is not None:
+                return reply
+            self._recv(sock)
+
+    def _read_available(self, sock: socket.socket) -> None:
+        self._recv(sock)
+        while (reply := self._pop_frame()) is not None:
+            if isinstance(reply, p.Error):
+                self._errors.append(RequestError(reply.code, reply.message, reply.seq))
+
+    def _recv(self, sock: socket.socket) -> None:
+        try:
+            chunk = sock.recv(1 << 16)
+        except TimeoutError:
+            self.close()
+            raise DaemonUnavailableError(self.path, "no reply within timeout") from None
+        except OSError as e:
+            self.close()
+            raise DaemonUnavailableError(self.path, e.strerror or type(e).__name__) from None
+        if not chunk:
+            self.close()
+            raise DaemonUnavailableError(self.path, "the daemon closed the connection")
+        self._buffer += chunk
+
+    def _pop_frame(self) -> p.Reply | None:
+        buffer = self._buffer
+        if len(buffer) < p.FRAME_HEADER_SIZE:
+            return None
+        size = int.from_bytes(buffer[: p.FRAME_HEADER_SIZE], "big")
+        if size > p.MAX_FRAME_SIZE:
+            self.close()
+            raise ProtocolError(f"daemon at {self.path} sent a {size}-byte frame")
+        end = p.FRAME_HEADER_SIZE + size
+        if len(buffer) < end:
+            return None
+        try:
+            reply: p.Reply = _reply_decoder.decode(buffer[p.FRAME_HEADER_SIZE : end])
+        except msgspec.DecodeError as e:
+            self.close()
+            raise ProtocolError(f"daemon at {self.path} sent an undecodable reply: {e}") from None
+        del buffer[:end]
+        return reply
+
+
+def _forget_connections_after_fork() -> None:
+    # The daemon identifies a connection by the pid that opened it: a forked
+    # child must open its own rather than arm timers on its parent.
+    for client in list(_live_clients):
+        if client._sock is not None:
+            client._sock.close()
+            client._sock = None
+            client._poller = select.poll()
+        client._held.clear()
+        client._errors.clear()
+
+
+os.register_at_fork(after_in_child=_forget_connections_after_fork)

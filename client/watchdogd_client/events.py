@@ -1,0 +1,148 @@
+"""Events: what happened, by whom, when — in torch's JSON shape.
+
+``Event``, ``EventSource``, ``NodeState`` and ``RdzvEvent`` serialize to the
+same JSON objects as ``torch.distributed.elastic.events`` (same keys, same
+order, enums as their names), so tools that read torch's event logs read ours.
+
+``record(event, destination)`` sends an event to a named destination, each a
+:mod:`logging` logger with its own handler: ``null`` (the default; returns
+before serializing anything), ``console`` (stderr), or any name registered
+with :func:`register_handler` (the daemon registers its JSON-lines file).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+
+import msgspec
+
+__all__ = [
+    "Event",
+    "EventMetadataValue",
+    "EventSource",
+    "NodeState",
+    "RdzvEvent",
+    "get_logging_handler",
+    "record",
+    "register_handler",
+]
+
+EventMetadataValue = str | int | float | bool | None
+
+
+class EventSource(enum.StrEnum):
+    """Known producers of events."""
+
+    AGENT = "AGENT"
+    WORKER = "WORKER"
+
+
+class NodeState(enum.StrEnum):
+    """The states a node can be in during rendezvous."""
+
+    INIT = "INIT"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+class Event(msgspec.Struct, kw_only=False):
+    """Something that happened; ``timestamp`` is in milliseconds since the epoch."""
+
+    name: str
+    source: EventSource
+    timestamp: int = 0
+    metadata: dict[str, EventMetadataValue] = {}
+
+    def __str__(self) -> str:
+        return self.serialize()
+
+    def serialize(self) -> str:
+        return _encoder.encode(self).decode()
+
+    @staticmethod
+    def deserialize(data: str | bytes | Event) -> Event:
+        if isinstance(data, Event):
+            return data
+        return _event_decoder.decode(data)
+
+
+class RdzvEvent(msgspec.Struct):
+    """A rendezvous event, as torch's ``RdzvEvent``."""
+
+    name: str
+    run_id: str
+    message: str
+    hostname: str
+    pid: int
+    node_state: NodeState
+    master_endpoint: str = ""
+    rank: int | None = None
+    local_id: int | None = None
+    error_trace: str = ""
+
+    def __str__(self) -> str:
+        return self.serialize()
+
+    def serialize(self) -> str:
+        return _encoder.encode(self).decode()
+
+    @staticmethod
+    def deserialize(data: str | bytes | RdzvEvent) -> RdzvEvent:
+        if isinstance(data, RdzvEvent):
+            return data
+        return _rdzv_decoder.decode(data)
+
+
+_encoder = msgspec.json.Encoder()
+_event_decoder = msgspec.json.Decoder(Event)
+_rdzv_decoder = msgspec.json.Decoder(RdzvEvent)
+
+_handler_factories: dict[str, type[logging.Handler] | logging.Handler] = {}
+_loggers: dict[str, logging.Logger] = {}
+_lock = threading.Lock()
+
+
+def register_handler(destination: str, handler: logging.Handler) -> None:
+    """Make ``destination`` usable with :func:`record`, writing through ``handler``."""
+    with _lock:
+        _handler_factories[destination] = handler
+        _loggers.pop(destination, None)
+
+
+def get_logging_handler(destination: str = "null") -> logging.Handler:
+    """The handler behind ``destination``: ``null``, ``console`` or a registered one."""
+    if destination == "null":
+        return logging.NullHandler()
+    if destination == "console":
+        return logging.StreamHandler()
+    registered = _handler_factories.get(destination)
+    if registered is None:
+        raise ValueError(
+            f"unknown event destination {destination!r}: use 'null', 'console' or a name "
+            "registered with watchdogd_client.events.register_handler()"
+        )
+    return registered() if isinstance(registered, type) else registered
+
+
+def _logger_for(destination: str) -> logging.Logger:
+    logger = _loggers.get(destination)
+    if logger is None:
+        with _lock:
+            logger = logging.getLogger(f"watchdogd-events-{destination}")
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+            for old in list(logger.handlers):
+                logger.removeHandler(old)
+            logger.addHandler(get_logging_handler(destination))
+            _loggers[destination] = logger
+    return logger
+
+
+def record(event: Event | RdzvEvent, destination: str = "null") -> None:
+    """Record ``event`` to ``destination``; ``null`` costs one comparison."""
+    if destination == "null":
+        return
+    _logger_for(destination).info(event.serialize())

@@ -1,0 +1,205 @@
+"""The wire protocol between trainers, operators and the daemon.
+
+Two channels, one module, so that client and daemon can never disagree:
+
+FIFO (torch compatible)
+    Newline-delimited JSON, one :class:`FileTimerRequest` per line, exactly
+    what ``torch.distributed.elastic.timer.FileTimerClient`` writes::
+
+        {"version": 1, "pid": 4242, "scope_id": "step", "expiration_time": 1.7e9, "signal": 9}
+
+    A negative ``expiration_time`` releases the timer. Every line stands
+    alone: a malformed line is reported and skipped, never the lines around it.
+
+Unix stream socket
+    Frames of a 4-byte big-endian length followed by that many bytes of
+    msgpack, each a tagged Struct (``{"op": "acquire", ...}``). The first
+    request on a connection is :class:`Hello`; every request after it gets
+    the next sequence number (Hello is 0). Replies name the ``seq`` they
+    answer. ``acquire``, ``release`` and ``release_all`` are answered only
+    when they fail, so a client can pipeline them without waiting for a
+    round trip; ``sync`` is answered once everything before it is processed.
+
+Error codes (stable, see :data:`ERROR_CODES`) tell a program what went wrong;
+the message tells a person.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+from typing import Final, Literal
+
+import msgspec
+
+__all__ = [
+    "ERROR_CODES",
+    "FRAME_HEADER_SIZE",
+    "MAX_FRAME_SIZE",
+    "PROTOCOL_VERSION",
+    "Acquire",
+    "Error",
+    "FileTimerRequest",
+    "GetStatus",
+    "Hello",
+    "ListTimers",
+    "Release",
+    "ReleaseAll",
+    "Reply",
+    "Request",
+    "StatusInfo",
+    "Sync",
+    "Synced",
+    "TimerInfo",
+    "TimerList",
+    "Welcome",
+    "frame",
+]
+
+PROTOCOL_VERSION: Final = 1
+FRAME_HEADER_SIZE: Final = 4
+# Large enough for a status or a list of thousands of timers in a reply;
+# requests are tiny, and the daemon enforces its own (smaller) request cap.
+MAX_FRAME_SIZE: Final = 64 * 1024 * 1024
+
+ErrorCode = Literal[
+    "bad_frame",
+    "bad_request",
+    "hello_required",
+    "version_mismatch",
+    "refused",
+    "no_such_process",
+    "limit_exceeded",
+    "internal",
+]
+ERROR_CODES: Final[tuple[str, ...]] = ErrorCode.__args__  # type: ignore[attr-defined]
+
+_SIGKILL: Final = int(_signal.SIGKILL)
+
+
+class FileTimerRequest(msgspec.Struct):
+    """One line on the FIFO: torch's ``FileTimerRequest.to_json()`` shape."""
+
+    version: int
+    pid: int
+    scope_id: str
+    expiration_time: float
+    signal: int = 0
+
+
+# --- requests ---------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", tag_field="op"):
+    """Open a session: the client's protocol version and a name for logs."""
+
+    version: int = PROTOCOL_VERSION
+    client: str = ""
+
+
+class Acquire(msgspec.Struct, tag="acquire", tag_field="op"):
+    """Arm (or re-arm) the timer ``(pid, scope_id)``.
+
+    ``expiration_time`` is absolute wall-clock time (``time.time()``), as in
+    torch; the daemon converts it to its monotonic clock on receipt. ``pid``
+    defaults to the caller's own (from ``SO_PEERCRED``). A signal ``<= 0``
+    records the expiry without killing. A negative ``expiration_time`` is a
+    release. Answered only on failure.
+    """
+
+    scope_id: str
+    expiration_time: float
+    signal: int = _SIGKILL
+    pid: int | None = None
+
+
+class Release(msgspec.Struct, tag="release", tag_field="op"):
+    """Disarm the timer ``(pid, scope_id)``; a missing timer is not an error."""
+
+    scope_id: str
+    pid: int | None = None
+
+
+class ReleaseAll(msgspec.Struct, tag="release_all", tag_field="op"):
+    """Disarm every timer of ``pid`` (default: the caller)."""
+
+    pid: int | None = None
+
+
+class Sync(msgspec.Struct, tag="sync", tag_field="op"):
+    """Answered with :class:`Synced` once every earlier request is processed."""
+
+
+class ListTimers(msgspec.Struct, tag="list_timers", tag_field="op"):
+    """Answered with :class:`TimerList`: every active timer, soonest first."""
+
+
+class GetStatus(msgspec.Struct, tag="status", tag_field="op"):
+    """Answered with :class:`StatusInfo`."""
+
+
+Request = Hello | Acquire | Release | ReleaseAll | Sync | ListTimers | GetStatus
+
+
+# --- replies ----------------------------------------------------------------
+
+
+class Welcome(msgspec.Struct, tag="welcome", tag_field="op"):
+    """Reply to :class:`Hello`: the daemon's identity and how it sees the peer."""
+
+    seq: int
+    version: int
+    daemon_pid: int
+    peer_pid: int
+    peer_uid: int
+
+
+class Synced(msgspec.Struct, tag="synced", tag_field="op"):
+    seq: int
+
+
+class TimerInfo(msgspec.Struct, kw_only=True):
+    pid: int
+    scope_id: str
+    remaining_s: float
+    expiration_time: float
+    signal: int
+    source: Literal["fifo", "socket"]
+    uid: int | None
+
+
+class TimerList(msgspec.Struct, tag="timer_list", tag_field="op"):
+    seq: int
+    timers: list[TimerInfo]
+
+
+class StatusInfo(msgspec.Struct, tag="status_info", tag_field="op", kw_only=True):
+    seq: int
+    version: str
+    pid: int
+    uptime_s: float
+    socket_path: str
+    fifo_path: str
+    timers: int
+    processes: int
+    connections: int
+    requests: dict[str, int]
+    expired: int
+    signalled: int
+    refused: int
+    bad_input: int
+
+
+class Error(msgspec.Struct, tag="error", tag_field="op"):
+    """A request failed; ``seq`` names which one (``-1``: the stream itself)."""
+
+    seq: int
+    code: ErrorCode
+    message: str
+
+
+Reply = Welcome | Synced | TimerList | StatusInfo | Error
+
+
+def frame(payload: bytes) -> bytes:
+    """Prefix ``payload`` with its 4-byte big-endian length."""
+    return len(payload).to_bytes(FRAME_HEADER_SIZE, "big") + payload

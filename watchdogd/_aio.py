@@ -1,0 +1,31 @@
+"""The only raw-asyncio corner of the daemon.
+
+anyio has ``wait_readable`` but no persistent readiness callback. The FIFO
+and the pidfds are watched for the daemon's whole life, often thousands of
+them, so a task per descriptor would cost more than the work it waits for.
+The loop's own ``add_reader`` runs a plain callback instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+__all__ = ["run", "unwatch", "watch_readable"]
+
+
+def watch_readable(fd: int, callback: Callable[[], None]) -> None:
+    """Call ``callback()`` from the event loop whenever ``fd`` is readable."""
+    asyncio.get_running_loop().add_reader(fd, callback)
+
+
+def unwatch(fd: int) -> None:
+    asyncio.get_running_loop().remove_reader(fd)
+
+
+def run(main: Callable[[], Awaitable[Any]]) -> Any:
+    """Run ``main`` on anyio's asyncio backend with uvloop."""
+    return anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})

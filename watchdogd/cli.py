@@ -1,0 +1,123 @@
+"""``watchdogd``: the daemon's command line.
+
+Layers, as in uvicorn: this module parses flags into one :class:`Config`
+(the file, then only the flags given on top), then runs :class:`Daemon`.
+``main(argv)`` returns the exit status instead of exiting:
+
+====  ======================================================
+0     stopped cleanly (SIGTERM, SIGINT)
+2     bad usage or an invalid config (the message names the key)
+3     an endpoint cannot be created or another daemon owns it
+====  ======================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from functools import partial
+
+import anyio
+import msgspec
+
+from . import __version__, _aio
+from .config import Config, ConfigError, load_config
+from .endpoints import EndpointError
+from .server import Daemon
+
+__all__ = ["main"]
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_ENDPOINT = 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="watchdogd",
+        description="Per-node watchdog: deadline timers for training processes, "
+        "killing the ones that hang.",
+    )
+    parser.add_argument("--version", action="version", version=f"watchdogd {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the timer daemon in the foreground. With no config it uses the "
+        "embedded default: a runtime dir under $XDG_RUNTIME_DIR/watchdogd or "
+        "/tmp/watchdogd-<uid> (as root: /run/watchdogd) holding watchdogd.sock and "
+        "timer.fifo. Flags override the config file.",
+    )
+    serve.add_argument("--config", metavar="FILE", help="TOML config (see systemd/watchdogd.toml)")
+    serve.add_argument("--runtime-dir", metavar="DIR", help="directory for the socket and FIFO")
+    serve.add_argument("--socket", metavar="PATH", help="Unix socket path")
+    serve.add_argument("--fifo", metavar="PATH", help="FIFO path (torch's TORCHELASTIC_TIMER_FILE)")
+    serve.add_argument("--event-log", metavar="FILE", help="append events as JSON lines to FILE")
+    serve.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], help="default: info"
+    )
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """The config file, with the flags that were given laid over it."""
+    config = load_config(args.config)
+    overrides = {
+        "runtime_dir": args.runtime_dir,
+        "socket": args.socket,
+        "fifo": args.fifo,
+        "event_log": args.event_log,
+        "log_level": args.log_level,
+    }
+    given = {key: value for key, value in overrides.items() if value is not None}
+    return msgspec.structs.replace(config, **given)
+
+
+async def _until_signalled() -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            return
+
+
+def _serve(config: Config) -> int:
+    daemon = Daemon(config)
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(partial(daemon.serve, shutdown_trigger=_until_signalled))
+            print(
+                f"watchdogd {__version__} (pid {os.getpid()}) serving\n"
+                f"  socket: {daemon.socket_path}   (WATCHDOGD_SOCKET)\n"
+                f"  fifo:   {daemon.fifo_path}   (TORCHELASTIC_TIMER_FILE)",
+                flush=True,
+            )
+
+    _aio.run(run)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = build_config(args)
+    except ConfigError as e:
+        print(f"watchdogd: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        return _serve(config)
+    except* EndpointError as group:
+        for error in group.exceptions:
+            print(f"watchdogd: {error}", file=sys.stderr)
+    return EXIT_ENDPOINT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The daemon's configuration: TOML decoded into Structs, in one call.
+
+Every field has a default, so an empty file (or none) is the embedded
+default. Unknown keys and bad values raise :class:`ConfigError` naming the
+key (``limits.max_frame``); nothing here exits the process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from watchdogd_client._paths import FIFO_NAME, SOCKET_NAME, default_runtime_dir
+
+__all__ = ["Config", "ConfigError", "Limits", "PolicyConfig", "load_config"]
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ConfigError(Exception):
+    """A config file or option is invalid; the message names the key."""
+
+
+class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_line: Annotated[int, msgspec.Meta(ge=128)] = 64 * 1024
+    """Longest FIFO line kept; longer ones are dropped and reported."""
+    max_frame: Annotated[int, msgspec.Meta(ge=128)] = 64 * 1024
+    """Largest socket request frame; a larger declared length closes the connection."""
+    max_scope_len: PositiveInt = 1024
+    max_timers_per_pid: PositiveInt = 10_000
+    max_timers: PositiveInt = 2_000_000
+    max_connections: PositiveInt = 1024
+    fifo_pipe_size: Annotated[int, msgspec.Meta(ge=4096)] = 1024 * 1024
+    """Requested FIFO buffer (``F_SETPIPE_SZ``), capped by ``/proc/sys/fs/pipe-max-size``."""
+
+
+class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    protected_pids: list[Annotated[int, msgspec.Meta(ge=1)]] = []
+    fifo_allowed_uids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
+    """uids whose processes FIFO requests may target; default: the daemon's own uid."""
+    allowed_signals: list[Annotated[int, msgspec.Meta(ge=1, le=64)]] | None = None
+    """Signals a timer may carry; default: every valid signal."""
+    admin_group: str | None = "watchdogd"
+    """Members may arm timers on any unprotected process, like root."""
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    runtime_dir: str | None = None
+    """Holds the socket and FIFO unless they are set; default per user (see README)."""
+    socket: str | None = None
+    fifo: str | None = None
+    event_log: str | None = None
+    """Append every event as one JSON line to this file."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    limits: Limits = msgspec.field(default_factory=Limits)
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+
+    def runtime_path(self) -> Path:
+        return Path(self.runtime_dir) if self.runtime_dir else default_runtime_dir()
+
+    def socket_path(self) -> Path:
+        return Path(self.socket) if self.socket else self.runtime_path() / SOCKET_NAME
+
+    def fifo_path(self) -> Path:
+        return Path(self.fifo) if self.fifo else self.runtime_path() / FIFO_NAME
+
+
+def _explain(error: msgspec.ValidationError | msgspec.DecodeError) -> str:
+    message = str(error)
+    if " - at `$." in message:
+        text, _, where = message.partition(" - at `$.")
+        return f"{where.rstrip('`')}: {text}"
+    return message
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """Read ``path`` (TOML) into a :class:`Config`; None gives the embedded default."""
+    if path is None:
+        return Config()
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    try:
+        return msgspec.toml.decode(data, type=Config)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ConfigError(f"{path}: {_explain(e)}") from None

@@ -1,0 +1,129 @@
+"""Creating the socket and the FIFO safely, and owning them exclusively.
+
+Each endpoint is guarded by an ``flock`` on ``PATH.lock``: a second daemon
+pointed at the same path fails to take the lock and refuses to start,
+naming the pid that holds it, instead of silently stealing the endpoint.
+Holding the lock also proves that a socket file left at the path is stale.
+
+Nothing here follows a symlink planted at an endpoint path, and a path that
+holds something else (a regular file where the FIFO should be) is refused,
+never deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import stat
+from pathlib import Path
+
+__all__ = ["EndpointError", "Lock", "open_fifo", "open_socket", "prepare_dir"]
+
+_PIPE_MAX_SIZE = Path("/proc/sys/fs/pipe-max-size")
+
+
+class EndpointError(Exception):
+    """An endpoint cannot be created or is owned by another daemon."""
+
+
+class Lock:
+    """An exclusive ``flock`` on ``PATH.lock`` holding the owner's pid."""
+
+    def __init__(self, endpoint: Path) -> None:
+        self.path = endpoint.with_name(endpoint.name + ".lock")
+        try:
+            self._fd = os.open(
+                self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+            )
+        except OSError as e:
+            raise EndpointError(f"cannot open lock file {self.path}: {e.strerror}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            raise EndpointError(
+                f"another watchdogd (pid {holder}) already serves {endpoint}; "
+                "stop it first or choose another path"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            os.close(self._fd)
+            self._fd = -1
+
+
+def prepare_dir(path: Path) -> None:
+    """Create ``path`` (0755) if missing; refuse a symlink or a world-writable dir."""
+    try:
+        path.mkdir(mode=0o755, parents=True, exist_ok=True)
+        info = path.lstat()
+    except OSError as e:
+        raise EndpointError(f"cannot create runtime directory {path}: {e.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise EndpointError(f"{path} is not a directory (a symlink is refused)")
+    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+        raise EndpointError(f"{path} is world-writable: anyone could replace the endpoints")
+
+
+def open_socket(path: Path, mode: int = 0o660) -> socket.socket:
+    """Bind and listen on a Unix socket at ``path``; a stale socket file is replaced."""
+    with contextlib.suppress(FileNotFoundError):
+        info = path.lstat()
+        if not stat.S_ISSOCK(info.st_mode):
+            raise EndpointError(f"{path} exists and is not a socket; refusing to remove it")
+        path.unlink()  # stale: our lock proves no daemon serves it
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(os.fspath(path))
+        os.chmod(path, mode)
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise EndpointError(f"cannot listen on {path}: {e.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def open_fifo(path: Path, mode: int = 0o620, pipe_size: int = 1 << 20) -> int:
+    """Open (creating if needed) the FIFO at ``path`` read-write, non-blocking.
+
+    Read-write so that the daemon is always a reader (writers never fail
+    with ENXIO while it runs) and never sees EOF when the last writer closes.
+    An existing FIFO is kept: requests written while no daemon ran are read.
+    """
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        try:
+            os.mkfifo(path, mode)
+            os.chmod(path, mode)
+        except OSError as e:
+            raise EndpointError(f"cannot create FIFO {path}: {e.strerror}") from None
+    else:
+        if not stat.S_ISFIFO(info.st_mode):
+            raise EndpointError(f"{path} exists and is not a FIFO; refusing to use it")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise EndpointError(f"cannot open FIFO {path}: {e.strerror}") from None
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise EndpointError(f"{path} exists and is not a FIFO; refusing to use it")
+    _enlarge_pipe(fd, pipe_size)
+    return fd
+
+
+def _enlarge_pipe(fd: int, size: int) -> None:
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+    except PermissionError:
+        # Unprivileged: the system cap is the most we may ask for.
+        with contextlib.suppress(OSError, ValueError):
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, min(size, int(_PIPE_MAX_SIZE.read_text())))

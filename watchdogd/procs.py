@@ -1,0 +1,125 @@
+"""Processes by identity, not by number.
+
+A pid is only a number: once its process exits and is reaped, the kernel
+hands it to the next process that starts. The daemon therefore opens a
+pidfd when it first arms a timer for a pid and signals through that pidfd
+(``pidfd_send_signal``), which can only ever reach the process it was opened
+on. The pidfd also becomes readable when that process exits, which is how
+the daemon drops an exited process's timers without polling.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal as _signal
+
+import msgspec
+
+__all__ = [
+    "ProcessHandle",
+    "ancestors",
+    "open_process",
+    "read_stat",
+    "supplementary_groups",
+]
+
+_PF_KTHREAD = 0x00200000
+
+
+class Stat(msgspec.Struct, frozen=True):
+    state: str
+    ppid: int
+    flags: int
+    start_time: int
+
+
+class ProcessHandle(msgspec.Struct):
+    pid: int
+    pidfd: int
+    uid: int
+    start_time: int
+    kernel_thread: bool
+
+    def exited(self) -> bool:
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def send_signal(self, signal: int) -> None:
+        """Signal this very process; ProcessLookupError once it has exited."""
+        _signal.pidfd_send_signal(self.pidfd, signal)
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def read_stat(pid: int) -> Stat:
+    """Fields of ``/proc/PID/stat``; ProcessLookupError if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessLookupError(pid) from None
+    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    return Stat(fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]))
+
+
+def _status_field(pid: int, field: bytes) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(field):
+                    return [int(v) for v in line.split()[1:]]
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    raise ProcessLookupError(pid)
+
+
+def _read_uid(pid: int) -> int:
+    return _status_field(pid, b"Uid:")[0]
+
+
+def supplementary_groups(pid: int) -> list[int]:
+    """The groups of process ``pid`` (effective and supplementary)."""
+    return [_status_field(pid, b"Gid:")[1], *_status_field(pid, b"Groups:")]
+
+
+def open_process(pid: int) -> ProcessHandle:
+    """Pin process ``pid`` by a pidfd and read who it is; ProcessLookupError if none."""
+    if pid <= 0:
+        raise ProcessLookupError(pid)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as e:
+        raise ProcessLookupError(pid) from e
+    try:
+        stat = read_stat(pid)
+        uid = _read_uid(pid)
+        handle = ProcessHandle(
+            pid, pidfd, uid, stat.start_time, bool(stat.flags & _PF_KTHREAD) or stat.ppid == 2
+        )
+        # Read after the pidfd was open: if the process is still alive now,
+        # /proc/PID described it and not a successor that reused the number.
+        if handle.exited() or stat.state in ("Z", "X"):
+            raise ProcessLookupError(pid)
+    except BaseException:
+        os.close(pidfd)
+        raise
+    return handle
+
+
+def ancestors(pid: int) -> list[int]:
+    """``pid``'s parent, grandparent, … up to (not including) pid 0."""
+    chain = []
+    while pid > 1:
+        try:
+            pid = read_stat(pid).ppid
+        except ProcessLookupError:
+            break
+        if pid > 0:
+            chain.append(pid)
+    return chain

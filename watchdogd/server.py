@@ -1,0 +1,546 @@
+"""The daemon: endpoints in, timers in the table, signals out.
+
+One anyio task group holds everything: the socket's accept loop and one
+task per connection, the expiry loop, and the shutdown watcher. The FIFO
+and the pidfds of processes with timers are served by loop callbacks
+(``_aio``), which run the same synchronous request code as the socket.
+
+The expiry loop sleeps until the table's next deadline, or until a request
+arms an earlier one — never on a polling interval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import logging
+import math
+import os
+import socket
+import struct
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import anyio
+import anyio.abc
+import msgspec
+from anyio.abc import SocketAttribute
+from watchdogd_client import protocol as p
+from watchdogd_client.events import Event, EventSource, record, register_handler
+
+from . import __version__, _aio
+from .config import Config
+from .endpoints import EndpointError, Lock, open_fifo, open_socket, prepare_dir
+from .framing import OVERSIZED, FrameSplitter, FrameTooLargeError, LineSplitter
+from .policy import Policy, Requester, Target, check, valid_signals
+from .procs import ProcessHandle, ancestors, open_process, supplementary_groups
+from .timers import Timer, TimerTable
+
+__all__ = ["Daemon", "EndpointError"]
+
+log = logging.getLogger("watchdogd")
+
+_FIFO_READ_CHUNK = 1 << 20
+# Bytes read from the FIFO per loop callback, so a flood cannot starve the
+# socket and the expiry loop; the callback runs again on the next iteration.
+_FIFO_READ_BUDGET = 4 << 20
+_EVENT_LOG = "watchdogd-event-log"
+_UCRED = struct.Struct("3i")
+
+ErrorReply = tuple[p.ErrorCode, str]
+
+_request_decoder = msgspec.msgpack.Decoder(p.Request)
+_fifo_decoder = msgspec.json.Decoder(p.FileTimerRequest)
+_reply_encoder = msgspec.msgpack.Encoder()
+
+
+class _Peer:
+    """A socket connection's kernel-checked identity and its request counter."""
+
+    __slots__ = ("admin", "gid", "greeted", "pid", "requester", "seq", "uid")
+
+    def __init__(self, pid: int, uid: int, gid: int, admin: bool) -> None:
+        self.pid = pid
+        self.uid = uid
+        self.gid = gid
+        self.admin = admin
+        self.requester = Requester("socket", uid, admin)
+        self.seq = 0
+        self.greeted = False
+
+
+_FIFO_REQUESTER = Requester("fifo")
+_REQUEST_COUNTER = {kind: f"socket.{kind.__struct_config__.tag}" for kind in p.Request.__args__}
+
+
+class Daemon:
+    """The timer service. ``await Daemon(config).serve()`` runs it until shutdown."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.limits = config.limits
+        self.socket_path = config.socket_path()
+        self.fifo_path = config.fifo_path()
+        self.table = TimerTable()
+        self.processes: dict[int, ProcessHandle] = {}
+        self.requests: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()
+        self.connections = 0
+        self.started_at = time.monotonic()
+        self._wake = anyio.Event()
+        self._policy = self._build_policy()
+        self._admin_gid = self._lookup_admin_gid()
+        self._fifo_splitter = LineSplitter(self.limits.max_line)
+        self._event_destination = "null"
+        if config.event_log:
+            handler = logging.FileHandler(config.event_log)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            register_handler(_EVENT_LOG, handler)
+            self._event_destination = _EVENT_LOG
+
+    def _build_policy(self) -> Policy:
+        own = os.getpid()
+        settings = self.config.policy
+        fifo_uids = settings.fifo_allowed_uids
+        return Policy(
+            protected_pids=frozenset({1, own, *ancestors(own), *settings.protected_pids}),
+            fifo_allowed_uids=frozenset([os.geteuid()] if fifo_uids is None else fifo_uids),
+            allowed_signals=(
+                valid_signals()
+                if settings.allowed_signals is None
+                else frozenset(settings.allowed_signals)
+            ),
+        )
+
+    def _lookup_admin_gid(self) -> int | None:
+        name = self.config.policy.admin_group
+        if name is None:
+            return None
+        try:
+            return grp.getgrnam(name).gr_gid
+        except KeyError:
+            return None
+
+    # -- running -----------------------------------------------------------------
+
+    async def serve(
+        self,
+        *,
+        shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+        task_status: anyio.abc.TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Bind the endpoints, report ready through ``task_status``, serve until shutdown.
+
+        Raises :class:`EndpointError` before ``task_status.started()`` when an
+        endpoint cannot be created or another daemon owns it.
+        """
+        with contextlib.ExitStack() as cleanup:
+            for path in {self.socket_path.parent, self.fifo_path.parent}:
+                prepare_dir(path)
+            cleanup.callback(Lock(self.socket_path).release)
+            cleanup.callback(Lock(self.fifo_path).release)
+            raw_socket = open_socket(self.socket_path)
+            cleanup.callback(self._unlink_socket)
+            listener = await anyio.abc.SocketListener.from_socket(raw_socket)
+            fifo_fd = open_fifo(self.fifo_path, pipe_size=self.limits.fifo_pipe_size)
+            cleanup.callback(os.close, fifo_fd)
+            cleanup.callback(self._close_processes)
+            async with anyio.create_task_group() as tg, listener:
+                _aio.watch_readable(fifo_fd, lambda: self._on_fifo_readable(fifo_fd))
+                cleanup.callback(_aio.unwatch, fifo_fd)
+                tg.start_soon(self._expiry_loop)
+                tg.start_soon(listener.serve, self._serve_connection, tg)
+                self.emit(
+                    "daemon_started",
+                    version=__version__,
+                    socket=str(self.socket_path),
+                    fifo=str(self.fifo_path),
+                )
+                task_status.started(self)
+                if shutdown_trigger is None:
+                    await anyio.sleep_forever()
+                else:
+                    await shutdown_trigger()
+                self.emit("daemon_stopping", timers=len(self.table))
+                tg.cancel_scope.cancel()
+
+    def _unlink_socket(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    def _close_processes(self) -> None:
+        for handle in self.processes.values():
+            with contextlib.suppress(ValueError, OSError):
+                _aio.unwatch(handle.pidfd)
+            handle.close()
+        self.processes.clear()
+
+    # -- events ------------------------------------------------------------------
+
+    def emit(self, name: str, **metadata: str | int | float | bool | None) -> None:
+        """Record an event: to the daemon's log, and to the event log file if configured."""
+        event = Event(name, EventSource.AGENT, time.time_ns() // 1_000_000, metadata)
+        if log.isEnabledFor(logging.INFO):
+            fields = " ".join(f"{key}={value!r}" for key, value in metadata.items())
+            log.info("%s %s", name, fields)
+        record(event, self._event_destination)
+
+    # -- the timer operations, shared by both transports -------------------------
+
+    def arm(
+        self,
+        requester: Requester,
+        pid: int,
+        scope_id: str,
+        expiration_time: float,
+        signal: int,
+    ) -> ErrorReply | None:
+        """Arm ``(pid, scope_id)``; an error code and message when refused."""
+        if not math.isfinite(expiration_time):
+            return "bad_request", f"expiration_time must be finite, got {expiration_time}"
+        if expiration_time < 0:
+            return self.release(requester, pid, scope_id)
+        if len(scope_id) > self.limits.max_scope_len:
+            return "limit_exceeded", (
+                f"scope_id of {len(scope_id)} characters exceeds max_scope_len "
+                f"({self.limits.max_scope_len})"
+            )
+        existing = self.table.get(pid, scope_id)
+        if existing is None:
+            if len(self.table) >= self.limits.max_timers:
+                return "limit_exceeded", f"the daemon holds max_timers ({self.limits.max_timers})"
+            if self.table.count_for(pid) >= self.limits.max_timers_per_pid:
+                return "limit_exceeded", (
+                    f"pid {pid} holds max_timers_per_pid ({self.limits.max_timers_per_pid})"
+                )
+        handle = self.processes.get(pid)
+        new_handle = handle is None
+        if handle is None:
+            try:
+                handle = open_process(pid)
+            except ProcessLookupError:
+                return "no_such_process", f"no process with pid {pid}"
+            except PermissionError as e:
+                return "refused", f"cannot open pid {pid}: {e.strerror}"
+        refusal = check(
+            self._policy,
+            requester,
+            Target(pid, handle.uid, handle.kernel_thread),
+            signal,
+        )
+        if refusal is not None:
+            if new_handle:
+                handle.close()
+            return refusal.code, refusal.reason
+        if new_handle:
+            self._watch_process(handle)
+        deadline = time.monotonic() + (expiration_time - time.time())
+        source: Literal["fifo", "socket"] = requester.via
+        if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid):
+            self._wake.set()
+        return None
+
+    def release(self, requester: Requester, pid: int, scope_id: str) -> ErrorReply | None:
+        timer = self.table.get(pid, scope_id)
+        if timer is None:
+            return None
+        refusal = self._check_existing(requester, pid)
+        if refusal is not None:
+            return refusal
+        self.table.release(pid, scope_id)
+        return None
+
+    def release_all(self, requester: Requester, pid: int) -> ErrorReply | None:
+        if self.table.count_for(pid) == 0:
+            return None
+        refusal = self._check_existing(requester, pid)
+        if refusal is not None:
+            return refusal
+        self.table.release_pid(pid)
+        return None
+
+    def _check_existing(self, requester: Requester, pid: int) -> ErrorReply | None:
+        handle = self.processes[pid]
+        refusal = check(self._policy, requester, Target(pid, handle.uid), 0)
+        return None if refusal is None else (refusal.code, refusal.reason)
+
+    # -- processes ---------------------------------------------------------------
+
+    def _watch_process(self, handle: ProcessHandle) -> None:
+        self.processes[handle.pid] = handle
+        _aio.watch_readable(handle.pidfd, lambda: self._on_process_exit(handle))
+
+    def _on_process_exit(self, handle: ProcessHandle) -> None:
+        _aio.unwatch(handle.pidfd)
+        handle.close()
+        if self.processes.get(handle.pid) is handle:
+            del self.processes[handle.pid]
+        dropped = self.table.release_pid(handle.pid)
+        if dropped:
+            self.counts["dropped"] += len(dropped)
+            self.emit(
+                "timers_dropped",
+                reason="process exited",
+                pid=handle.pid,
+                timers=len(dropped),
+                scopes=",".join(t.scope_id for t in dropped[:16]),
+            )
+
+    # -- expiry ------------------------------------------------------------------
+
+    async def _expiry_loop(self) -> None:
+        table = self.table
+        while True:
+            deadline = table.next_deadline()
+            now = time.monotonic()
+            if deadline is not None and deadline <= now:
+                self._expire(now)
+                continue
+            self._wake = anyio.Event()
+            delay = math.inf if deadline is None else deadline - now
+            with anyio.move_on_after(delay):
+                await self._wake.wait()
+
+    def _expire(self, now: float) -> None:
+        signalled: set[int] = set()
+        for timer in self.table.pop_expired(now):
+            self.counts["expired"] += 1
+            if timer.signal <= 0 or timer.pid in signalled:
+                self.emit("timer_expired", **self._describe(timer), action="recorded")
+                continue
+            signalled.add(timer.pid)
+            self._signal(timer)
+
+    def _signal(self, timer: Timer) -> None:
+        handle = self.processes.get(timer.pid)
+        try:
+            if handle is None:
+                raise ProcessLookupError(timer.pid)
+            handle.send_signal(timer.signal)
+        except ProcessLookupError:
+            self.counts["dropped"] += 1
+            self.emit("timer_expired", **self._describe(timer), action="process already gone")
+            return
+        late_ms = (time.monotonic() - timer.deadline) * 1000
+        self.counts["signalled"] += 1
+        self.emit("timer_expired", **self._describe(timer), action="signalled", late_ms=late_ms)
+
+    @staticmethod
+    def _describe(timer: Timer) -> dict[str, str | int | float | bool | None]:
+        return {
+            "pid": timer.pid,
+            "scope_id": timer.scope_id,
+            "signal": timer.signal,
+            "source": timer.source,
+            "uid": None if timer.uid < 0 else timer.uid,
+        }
+
+    # -- FIFO --------------------------------------------------------------------
+
+    def _on_fifo_readable(self, fd: int) -> None:
+        budget = _FIFO_READ_BUDGET
+        while budget > 0:
+            try:
+                data = os.read(fd, _FIFO_READ_CHUNK)
+            except BlockingIOError:
+                return
+            budget -= len(data)
+            for line in self._fifo_splitter.feed(data):
+                self._fifo_line(line)
+
+    def _fifo_line(self, line: bytes) -> None:
+        if line is OVERSIZED:
+            self._bad_input("fifo", f"line longer than max_line ({self.limits.max_line})", b"")
+            return
+        if not line.strip():
+            return
+        request = self._decode_fifo_line(line)
+        if request is None:
+            return
+        self.requests["fifo"] += 1
+        if request.version != 1:
+            self._bad_input("fifo", f"unsupported version {request.version}", line[:200])
+            return
+        error = self.arm(
+            _FIFO_REQUESTER,
+            request.pid,
+            request.scope_id,
+            request.expiration_time,
+            request.signal,
+        )
+        if error is not None:
+            self._refused("fifo", request.pid, request.scope_id, error)
+
+    def _decode_fifo_line(self, line: bytes) -> p.FileTimerRequest | None:
+        try:
+            return _fifo_decoder.decode(line)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            error = e
+        # A writer that wrote half a line glues it to the next writer's whole
+        # one; every request is a flat object, so the last '{' starts the one
+        # worth saving.
+        start = line.rfind(b"{")
+        salvaged = None
+        if start > 0:
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                salvaged = _fifo_decoder.decode(line[start:])
+        self._bad_input("fifo", str(error), line[:start] if salvaged else line)
+        return salvaged
+
+    def _bad_input(self, via: str, reason: str, sample: bytes) -> None:
+        self.counts["bad_input"] += 1
+        self.emit("bad_input", via=via, reason=reason, sample=sample[:200].decode(errors="replace"))
+
+    def _refused(self, via: str, pid: int, scope_id: str, error: ErrorReply) -> None:
+        self.counts["refused"] += 1
+        code, message = error
+        self.emit("request_refused", via=via, pid=pid, scope_id=scope_id, code=code, reason=message)
+
+    # -- socket ------------------------------------------------------------------
+
+    async def _serve_connection(self, stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
+            pid, uid, gid = _UCRED.unpack(
+                raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
+            if self.connections >= self.limits.max_connections:
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await stream.send(
+                        self._encode(
+                            p.Error(-1, "limit_exceeded", "too many connections (max_connections)")
+                        )
+                    )
+                return
+            peer = _Peer(pid, uid, gid, self._is_admin(pid, uid))
+            self.connections += 1
+            try:
+                await self._converse(stream, peer)
+            finally:
+                self.connections -= 1
+
+    def _is_admin(self, pid: int, uid: int) -> bool:
+        if uid == 0:
+            return True
+        if self._admin_gid is None:
+            return False
+        try:
+            return self._admin_gid in supplementary_groups(pid)
+        except ProcessLookupError:
+            return False
+
+    async def _converse(self, stream: anyio.abc.SocketStream, peer: _Peer) -> None:
+        splitter = FrameSplitter(self.limits.max_frame)
+        while True:
+            try:
+                data = await stream.receive(1 << 16)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return
+            replies: list[bytes] = []
+            closing = False
+            try:
+                for payload in splitter.feed(data):
+                    reply = self._handle_frame(peer, payload)
+                    if reply is not None:
+                        replies.append(self._encode(reply))
+                        closing = isinstance(reply, p.Error) and reply.code == "version_mismatch"
+                        if closing:
+                            break
+            except FrameTooLargeError as e:
+                self._bad_input("socket", str(e), b"")
+                replies.append(self._encode(p.Error(peer.seq, "bad_frame", f"{e}; closing")))
+                closing = True
+            if replies:
+                try:
+                    await stream.send(b"".join(replies))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return
+            if closing:
+                return
+
+    @staticmethod
+    def _encode(reply: p.Reply) -> bytes:
+        return p.frame(_reply_encoder.encode(reply))
+
+    def _handle_frame(self, peer: _Peer, payload: bytes) -> p.Reply | None:
+        seq = peer.seq
+        peer.seq += 1
+        try:
+            request = _request_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._bad_input("socket", str(e), payload[:64])
+            return p.Error(seq, "bad_request", str(e))
+        if not peer.greeted:
+            if not isinstance(request, p.Hello):
+                return p.Error(seq, "hello_required", "send hello before any other request")
+            if request.version != p.PROTOCOL_VERSION:
+                return p.Error(
+                    seq,
+                    "version_mismatch",
+                    f"daemon speaks protocol {p.PROTOCOL_VERSION}, client {request.version}",
+                )
+            peer.greeted = True
+            return p.Welcome(seq, p.PROTOCOL_VERSION, os.getpid(), peer.pid, peer.uid)
+        self.requests[_REQUEST_COUNTER[type(request)]] += 1
+        error: ErrorReply | None
+        target = peer.pid
+        match request:
+            case p.Acquire(scope_id, expiration_time, signal, pid):
+                target = peer.pid if pid is None else pid
+                error = self.arm(peer.requester, target, scope_id, expiration_time, signal)
+            case p.Release(scope_id, pid):
+                target = peer.pid if pid is None else pid
+                error = self.release(peer.requester, target, scope_id)
+            case p.ReleaseAll(pid):
+                target = peer.pid if pid is None else pid
+                error = self.release_all(peer.requester, target)
+            case p.Sync():
+                return p.Synced(seq)
+            case p.ListTimers():
+                return p.TimerList(seq, self.timer_infos())
+            case p.GetStatus():
+                return self.status(seq)
+            case p.Hello():
+                return p.Error(seq, "bad_request", "hello was already sent on this connection")
+        if error is None:
+            return None
+        self._refused("socket", target, getattr(request, "scope_id", ""), error)
+        return p.Error(seq, *error)
+
+    # -- queries -----------------------------------------------------------------
+
+    def timer_infos(self) -> list[p.TimerInfo]:
+        now = time.monotonic()
+        wall = time.time()
+        return [
+            p.TimerInfo(
+                pid=t.pid,
+                scope_id=t.scope_id,
+                remaining_s=t.deadline - now,
+                expiration_time=wall + (t.deadline - now),
+                signal=t.signal,
+                source=t.source,
+                uid=None if t.uid < 0 else t.uid,
+            )
+            for t in sorted(self.table)
+        ]
+
+    def status(self, seq: int) -> p.StatusInfo:
+        return p.StatusInfo(
+            seq=seq,
+            version=__version__,
+            pid=os.getpid(),
+            uptime_s=time.monotonic() - self.started_at,
+            socket_path=str(self.socket_path),
+            fifo_path=str(self.fifo_path),
+            timers=len(self.table),
+            processes=len(self.processes),
+            connections=self.connections,
+            requests=dict(self.requests),
+            expired=self.counts["expired"],
+            signalled=self.counts["signalled"],
+            refused=self.counts["refused"],
+            bad_input=self.counts["bad_input"],
+        )
