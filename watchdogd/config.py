@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
+
 from watchdogd_client._paths import FIFO_NAME, SOCKET_NAME, default_runtime_dir
 
 __all__ = ["Config", "ConfigError", "Limits", "PolicyConfig", "load_config"]

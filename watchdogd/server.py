@@ -27,6 +27,7 @@ import anyio
 import anyio.abc
 import msgspec
 from anyio.abc import SocketAttribute
+
 from watchdogd_client import protocol as p
 from watchdogd_client.events import Event, EventSource, record, register_handler
 
@@ -143,6 +144,7 @@ class Daemon:
             cleanup.callback(Lock(self.fifo_path).release)
             raw_socket = open_socket(self.socket_path)
             cleanup.callback(self._unlink_socket)
+            cleanup.callback(raw_socket.close)
             listener = await anyio.abc.SocketListener.from_socket(raw_socket)
             fifo_fd = open_fifo(self.fifo_path, pipe_size=self.limits.fifo_pipe_size)
             cleanup.callback(os.close, fifo_fd)

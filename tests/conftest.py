@@ -1,0 +1,94 @@
+"""Shared harness: a real daemon in-process, real child processes, short paths."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from watchdogd import Config, Daemon
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    return "asyncio", {"use_uvloop": True}
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A fresh directory with a short path (Unix socket paths stop at 108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="wd-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@asynccontextmanager
+async def running_daemon(runtime_dir: Path, **settings: Any) -> AsyncIterator[Daemon]:
+    """Run a daemon in this event loop until the block ends (stopped by an event)."""
+    daemon = Daemon(Config(runtime_dir=str(runtime_dir), **settings))
+    stop = anyio.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(partial(daemon.serve, shutdown_trigger=stop.wait))
+            try:
+                yield daemon
+            finally:
+                stop.set()
+    except BaseExceptionGroup as group:
+        raise _sole_exception(group) from None
+
+
+def _sole_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception a task group wrapped (so tests can ``pytest.raises`` it)."""
+    if len(group.exceptions) != 1:
+        return group
+    inner = group.exceptions[0]
+    return _sole_exception(inner) if isinstance(inner, BaseExceptionGroup) else inner
+
+
+def python(
+    code: str, *args: str, env: dict[str, str] | None = None, **popen: Any
+) -> subprocess.Popen[str]:
+    """Start ``python -c code args…`` as a child process."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=full_env,
+        text=True,
+        **popen,
+    )
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait (without blocking the loop) until ``predicate()`` holds."""
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.01)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.01)
+
+
+async def exit_code(proc: subprocess.Popen[str], timeout: float = 15.0) -> int:
+    return await anyio.to_thread.run_sync(partial(proc.wait, timeout))
