@@ -1,0 +1,45 @@
+"""A toy trainer: steps wrapped in ``expires``, told to succeed, crash or hang.
+
+    WATCHDOGD_SOCKET=/run/watchdogd/watchdogd.sock python examples/trainer.py --steps 5
+    python examples/trainer.py --hang-at 3 --step-timeout 2   # killed by watchdogd
+
+No torch needed. Under torchrun-style launchers it reads RANK/LOCAL_RANK for
+its log lines; the timer client comes from the environment
+(``WATCHDOGD_SOCKET``, else torch's ``TORCHELASTIC_TIMER_FILE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import watchdogd_client as wd
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--step-time", type=float, default=0.05, help="seconds per step")
+    parser.add_argument("--step-timeout", type=float, default=10.0, help="expires(after=...)")
+    parser.add_argument("--hang-at", type=int, help="hang forever inside this step")
+    parser.add_argument("--crash-at", type=int, help="exit 1 at this step")
+    args = parser.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    for step in range(args.steps):
+        with wd.expires(after=args.step_timeout, scope="train_step"):
+            if step == args.crash_at:
+                print(f"rank {rank}: crashing at step {step}", flush=True)
+                return 1
+            if step == args.hang_at:
+                print(f"rank {rank}: hanging at step {step}", flush=True)
+                while True:
+                    time.sleep(3600)
+            time.sleep(args.step_time)
+        print(f"rank {rank}: step {step} done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The thin client on its own: scopes, configuration, the FIFO's full-pipe wait, imports."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import watchdogd_client as wd
+from watchdogd_client import protocol as p
+
+
+class Recorder(wd.TimerClient):
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        self.calls.append(("acquire", scope_id))
+
+    def release(self, scope_id: str) -> None:
+        self.calls.append(("release", scope_id))
+
+
+def test_default_scope_is_the_callers_line() -> None:
+    recorder = Recorder()
+    with wd.expires(after=5, client=recorder):
+        line = sys._getframe().f_lineno - 1
+    assert recorder.calls == [
+        ("acquire", f"{__file__}:{line}"),
+        ("release", f"{__file__}:{line}"),
+    ]
+
+
+def test_nested_scopeless_timers_do_not_collide() -> None:
+    recorder = Recorder()
+    with wd.expires(after=5, client=recorder), wd.expires(after=1, client=recorder):
+        pass
+    with wd.expires(after=5, client=recorder):  # noqa: SIM117 - two lines, two scopes
+        with wd.expires(after=1, client=recorder):
+            pass
+    acquired = [scope for op, scope in recorder.calls if op == "acquire"]
+    # Same line → the same scope is fine for siblings; nested on two lines must differ.
+    assert acquired[2] != acquired[3]
+    assert all(scope.startswith(__file__) for scope in acquired)
+
+
+def test_torch_default_scope_collides_where_ours_does_not() -> None:
+    timer_api = pytest.importorskip("torch.distributed.elastic.timer.api")
+    recorder = Recorder()
+    with timer_api.expires(after=5, client=recorder):  # noqa: SIM117
+        with timer_api.expires(after=1, client=recorder):
+            pass
+    outer, inner = (scope for op, scope in recorder.calls if op == "acquire")
+    assert outer == inner  # both resolve inside contextlib: the bug we fix
+    assert "contextlib" in outer
+
+
+def test_decorator_arms_around_each_call() -> None:
+    recorder = Recorder()
+
+    @wd.expires(after=5, scope="step", client=recorder)
+    def step(x: int) -> int:
+        return x * 2
+
+    assert step(2) == 4
+    assert step(3) == 6
+    assert recorder.calls == [("acquire", "step"), ("release", "step")] * 2
+
+
+def test_release_runs_when_the_block_raises() -> None:
+    recorder = Recorder()
+    with pytest.raises(ZeroDivisionError), wd.expires(after=5, scope="s", client=recorder):
+        _ = 1 / 0
+    assert recorder.calls == [("acquire", "s"), ("release", "s")]
+
+
+def run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k not in ("WATCHDOGD_SOCKET",)}
+    clean.pop("TORCHELASTIC_TIMER_FILE", None)
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True
+    )
+
+
+def test_expires_configures_itself_from_the_environment(tmp_path: Path) -> None:
+    code = "import watchdogd_client as wd; c = wd.get_client(); print(type(c).__name__, c.path if hasattr(c, 'path') else c.file_path)"  # noqa: E501
+    out = run_python(code, {"WATCHDOGD_SOCKET": "/x.sock", "TORCHELASTIC_TIMER_FILE": "/y"})
+    assert out.stdout.split() == ["SocketTimerClient", "/x.sock"]
+    out = run_python(code, {"TORCHELASTIC_TIMER_FILE": "/y.fifo"})
+    assert out.stdout.split() == ["FileTimerClient", "/y.fifo"]
+    out = run_python("import watchdogd_client as wd\nwith wd.expires(after=1): pass", {})
+    assert out.returncode == 1
+    assert "NotConfiguredError" in out.stderr
+    assert "WATCHDOGD_SOCKET" in out.stderr and "configure(" in out.stderr
+
+
+def test_client_imports_only_stdlib_and_msgspec() -> None:
+    out = run_python(
+        "import sys, watchdogd_client\n"
+        "heavy = {'anyio', 'uvloop', 'torch', 'tabulate', 'watchdogd'}\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))",
+        {},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def make_fifo(tmp_path: Path, size: int = 4096) -> tuple[Path, int]:
+    """A FIFO with a reader (so writers may open it) whose buffer holds ``size`` bytes."""
+    path = tmp_path / "timer.fifo"
+    os.mkfifo(path)
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, size)
+    return path, reader
+
+
+def fill(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        while True:
+            os.write(fd, b"x" * 512)
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def test_fifo_client_waits_for_room_then_delivers(tmp_path: Path) -> None:
+    path, reader = make_fifo(tmp_path)
+    try:
+        fill(path)
+        client = wd.FileTimerClient(path, full_timeout=10)
+
+        def drain_later() -> None:
+            time.sleep(0.3)
+            os.read(reader, 1 << 16)
+
+        threading.Thread(target=drain_later).start()
+        client.acquire("after-the-wait", 123.0)
+        client.close()
+        time.sleep(0.05)
+        line = os.read(reader, 1 << 16)
+        request = msgspec.json.decode(line.rstrip(b"\n"), type=p.FileTimerRequest)
+        assert (request.scope_id, request.expiration_time, request.pid) == (
+            "after-the-wait",
+            123.0,
+            os.getpid(),
+        )
+    finally:
+        os.close(reader)
+
+
+def test_fifo_client_reports_a_full_pipe_and_delivers_nothing(tmp_path: Path) -> None:
+    path, reader = make_fifo(tmp_path)
+    try:
+        fill(path)
+        client = wd.FileTimerClient(path, full_timeout=0.2)
+        with pytest.raises(wd.FifoFullError) as caught:
+            client.acquire("lost", 1.0)
+        assert isinstance(caught.value, BlockingIOError)
+        client.close()
+        drained = b""
+        while chunk := os.read(reader, 1 << 16):  # b"" once no writer is left
+            drained += chunk
+        assert b"lost" not in drained
+    finally:
+        os.close(reader)
+
+
+def test_fifo_client_refuses_lines_longer_than_pipe_buf(tmp_path: Path) -> None:
+    path, reader = make_fifo(tmp_path, size=1 << 16)
+    try:
+        with pytest.raises(ValueError, match="PIPE_BUF"):
+            wd.FileTimerClient(path).acquire("s" * 5000, 1.0)
+    finally:
+        os.close(reader)
+
+
+def test_fifo_client_matches_torchs_wire_format(tmp_path: Path) -> None:
+    file_based = pytest.importorskip("torch.distributed.elastic.timer.file_based_local_timer")
+    path, reader = make_fifo(tmp_path, size=1 << 16)
+    try:
+        with wd.FileTimerClient(path, signal=15) as ours:
+            ours.acquire("scope", 1234.5)
+            ours.release("scope")
+        theirs = file_based.FileTimerClient(str(path), signal=15)
+        theirs.acquire("scope", 1234.5)
+        theirs.release("scope")
+        lines = os.read(reader, 1 << 16).splitlines()
+        decoded = [msgspec.json.decode(line) for line in lines]
+        assert decoded[:2] == decoded[2:]
+        assert decoded[0] == {
+            "version": 1,
+            "pid": os.getpid(),
+            "scope_id": "scope",
+            "expiration_time": 1234.5,
+            "signal": 15,
+        }
+    finally:
+        os.close(reader)

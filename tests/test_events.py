@@ -1,0 +1,59 @@
+"""Events have torch's JSON shape, and recording to ``null`` does no work."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from watchdogd_client import events
+from watchdogd_client.events import Event, EventSource, NodeState, RdzvEvent
+
+
+def test_event_round_trip() -> None:
+    event = Event("timer_expired", EventSource.AGENT, 1700000000000, {"pid": 5, "ok": True})
+    assert Event.deserialize(event.serialize()) == event
+    assert json.loads(str(event)) == {
+        "name": "timer_expired",
+        "source": "AGENT",
+        "timestamp": 1700000000000,
+        "metadata": {"pid": 5, "ok": True},
+    }
+
+
+def test_torch_serialized_events_read_back_and_ours_read_in_torch() -> None:
+    torch_events = pytest.importorskip("torch.distributed.elastic.events.api")
+    theirs = torch_events.Event("x", torch_events.EventSource.WORKER, 12, {"a": 1.5, "b": None})
+    ours = Event.deserialize(theirs.serialize())
+    assert ours == Event("x", EventSource.WORKER, 12, {"a": 1.5, "b": None})
+    assert json.loads(ours.serialize()) == json.loads(theirs.serialize())
+    assert torch_events.Event.deserialize(ours.serialize()) == theirs
+
+    rdzv = torch_events.RdzvEvent("join", "run", "msg", "host", 7, torch_events.NodeState.RUNNING)
+    mine = RdzvEvent.deserialize(rdzv.serialize())
+    assert mine.node_state is NodeState.RUNNING
+    assert json.loads(mine.serialize()) == json.loads(rdzv.serialize())
+
+
+class Exploding(Event):
+    def serialize(self) -> str:
+        raise AssertionError("serialized for the null destination")
+
+
+def test_null_destination_never_serializes() -> None:
+    events.record(Exploding("x", EventSource.AGENT), "null")
+
+
+def test_registered_destination_receives_json(tmp_path: object) -> None:
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    events.register_handler("test-collect", Collect())
+    events.record(Event("hello", EventSource.AGENT, 1), "test-collect")
+    assert [json.loads(line)["name"] for line in seen] == ["hello"]
+    with pytest.raises(ValueError, match="unknown event destination"):
+        events.record(Event("x", EventSource.AGENT), "nowhere")
