@@ -33,6 +33,10 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_timers_per_pid: PositiveInt = 10_000
     max_timers: PositiveInt = 2_000_000
     max_connections: PositiveInt = 1024
+    max_pending_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 1024 * 1024
+    """Replies held for one connection before the daemon stops reading from it."""
+    max_listed_timers: PositiveInt = 100_000
+    """Most timers one ``list_timers`` reply carries (soonest first; marked truncated)."""
     fifo_pipe_size: Annotated[int, msgspec.Meta(ge=4096)] = 1024 * 1024
     """Requested FIFO buffer (``F_SETPIPE_SZ``), capped by ``/proc/sys/fs/pipe-max-size``."""
 
@@ -47,11 +51,18 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Members may arm timers on any unprotected process, like root."""
 
 
+FileMode = Annotated[int, msgspec.Meta(ge=0, le=0o777)]
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     runtime_dir: str | None = None
     """Holds the socket and FIFO unless they are set; default per user (see README)."""
     socket: str | None = None
     fifo: str | None = None
+    socket_mode: FileMode = 0o660
+    fifo_mode: FileMode = 0o620
+    group: str | None = "watchdogd"
+    """Group owning the socket and FIFO; if no such group exists, the daemon's own."""
     event_log: str | None = None
     """Append every event as one JSON line to this file."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -22,6 +22,7 @@ from watchdogd_client import (
     SocketTimerClient,
     default_socket_path,
 )
+from watchdogd_client import protocol as p
 
 __all__ = ["main"]
 
@@ -45,7 +46,8 @@ def _print_json(value: object) -> None:
 
 def cmd_timers(client: SocketTimerClient, args: argparse.Namespace) -> None:
     """List active timers, soonest first."""
-    timers = client.list_timers()
+    listing = client.request(p.ListTimers(), p.TimerList)
+    timers = listing.timers
     if args.json:
         _print_json([msgspec.structs.asdict(t) for t in timers])
         return
@@ -57,6 +59,8 @@ def cmd_timers(client: SocketTimerClient, args: argparse.Namespace) -> None:
         for t in timers
     ]
     print(tabulate(rows, headers=["PID", "SCOPE", "REMAINING (s)", "SIGNAL", "VIA", "UID"]))
+    if listing.total > len(timers):
+        print(f"(the {len(timers)} soonest of {listing.total} timers)")
 
 
 def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import grp
 import os
 import socket
 import stat
 from pathlib import Path
 
-__all__ = ["EndpointError", "Lock", "open_fifo", "open_socket", "prepare_dir"]
+__all__ = ["EndpointError", "Lock", "group_id", "open_fifo", "open_socket", "prepare_dir"]
 
 _PIPE_MAX_SIZE = Path("/proc/sys/fs/pipe-max-size")
 
@@ -72,7 +73,15 @@ def prepare_dir(path: Path) -> None:
         raise EndpointError(f"{path} is world-writable: anyone could replace the endpoints")
 
 
-def open_socket(path: Path, mode: int = 0o660) -> socket.socket:
+def group_id(name: str | None) -> int:
+    """The gid of group ``name``, or the daemon's own gid when there is none."""
+    if name is not None:
+        with contextlib.suppress(KeyError):
+            return grp.getgrnam(name).gr_gid
+    return os.getegid()
+
+
+def open_socket(path: Path, mode: int = 0o660, gid: int = -1) -> socket.socket:
     """Bind and listen on a Unix socket at ``path``; a stale socket file is replaced."""
     with contextlib.suppress(FileNotFoundError):
         info = path.lstat()
@@ -82,6 +91,8 @@ def open_socket(path: Path, mode: int = 0o660) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(os.fspath(path))
+        # We just created it in a directory only we may write: no race to fear.
+        os.chown(path, -1, gid)
         os.chmod(path, mode)
         sock.listen(1024)
     except OSError as e:
@@ -91,7 +102,7 @@ def open_socket(path: Path, mode: int = 0o660) -> socket.socket:
     return sock
 
 
-def open_fifo(path: Path, mode: int = 0o620, pipe_size: int = 1 << 20) -> int:
+def open_fifo(path: Path, mode: int = 0o620, gid: int = -1, pipe_size: int = 1 << 20) -> int:
     """Open (creating if needed) the FIFO at ``path`` read-write, non-blocking.
 
     Read-write so that the daemon is always a reader (writers never fail
@@ -103,7 +114,6 @@ def open_fifo(path: Path, mode: int = 0o620, pipe_size: int = 1 << 20) -> int:
     except FileNotFoundError:
         try:
             os.mkfifo(path, mode)
-            os.chmod(path, mode)
         except OSError as e:
             raise EndpointError(f"cannot create FIFO {path}: {e.strerror}") from None
     else:
@@ -116,6 +126,9 @@ def open_fifo(path: Path, mode: int = 0o620, pipe_size: int = 1 << 20) -> int:
     if not stat.S_ISFIFO(os.fstat(fd).st_mode):
         os.close(fd)
         raise EndpointError(f"{path} exists and is not a FIFO; refusing to use it")
+    # Through the descriptor: whatever the path holds now, we change what we opened.
+    os.fchown(fd, -1, gid)
+    os.fchmod(fd, mode)
     _enlarge_pipe(fd, pipe_size)
     return fd
 

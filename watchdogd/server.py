@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import heapq
 import logging
 import math
 import os
@@ -33,7 +34,7 @@ from watchdogd_client.events import Event, EventSource, record, register_handler
 
 from . import __version__, _aio
 from .config import Config
-from .endpoints import EndpointError, Lock, open_fifo, open_socket, prepare_dir
+from .endpoints import EndpointError, Lock, group_id, open_fifo, open_socket, prepare_dir
 from .framing import OVERSIZED, FrameSplitter, FrameTooLargeError, LineSplitter
 from .policy import Policy, Requester, Target, check, valid_signals
 from .procs import ProcessHandle, ancestors, open_process, supplementary_groups
@@ -142,11 +143,14 @@ class Daemon:
                 prepare_dir(path)
             cleanup.callback(Lock(self.socket_path).release)
             cleanup.callback(Lock(self.fifo_path).release)
-            raw_socket = open_socket(self.socket_path)
+            gid = group_id(self.config.group)
+            raw_socket = open_socket(self.socket_path, self.config.socket_mode, gid)
             cleanup.callback(self._unlink_socket)
             cleanup.callback(raw_socket.close)
             listener = await anyio.abc.SocketListener.from_socket(raw_socket)
-            fifo_fd = open_fifo(self.fifo_path, pipe_size=self.limits.fifo_pipe_size)
+            fifo_fd = open_fifo(
+                self.fifo_path, self.config.fifo_mode, gid, self.limits.fifo_pipe_size
+            )
             cleanup.callback(os.close, fifo_fd)
             cleanup.callback(self._close_processes)
             async with anyio.create_task_group() as tg, listener:
@@ -434,33 +438,52 @@ class Daemon:
             return False
 
     async def _converse(self, stream: anyio.abc.SocketStream, peer: _Peer) -> None:
+        """Serve one connection until it closes or must be closed.
+
+        Replies are sent in batches; once ``max_pending_bytes`` of them wait,
+        the daemon sends before it reads another request, so a client that
+        sends and never reads stalls only itself, at a bounded cost.
+        """
         splitter = FrameSplitter(self.limits.max_frame)
-        while True:
-            try:
-                data = await stream.receive(1 << 16)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                return
-            replies: list[bytes] = []
-            closing = False
-            try:
-                for payload in splitter.feed(data):
-                    reply = self._handle_frame(peer, payload)
-                    if reply is not None:
-                        replies.append(self._encode(reply))
-                        closing = isinstance(reply, p.Error) and reply.code == "version_mismatch"
-                        if closing:
-                            break
-            except FrameTooLargeError as e:
-                self._bad_input("socket", str(e), b"")
-                replies.append(self._encode(p.Error(peer.seq, "bad_frame", f"{e}; closing")))
-                closing = True
-            if replies:
+        limit = self.limits.max_pending_bytes
+        outbox: list[bytes] = []
+        pending = 0
+
+        async def flush() -> None:
+            nonlocal pending
+            if outbox:
+                data = b"".join(outbox)
+                outbox.clear()
+                pending = 0
+                await stream.send(data)
+
+        try:
+            while True:
                 try:
-                    await stream.send(b"".join(replies))
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    data = await stream.receive(1 << 16)
+                except anyio.EndOfStream:
                     return
-            if closing:
-                return
+                try:
+                    for payload in splitter.feed(data):
+                        reply = self._handle_frame(peer, payload)
+                        if reply is None:
+                            continue
+                        encoded = self._encode(reply)
+                        outbox.append(encoded)
+                        pending += len(encoded)
+                        if isinstance(reply, p.Error) and reply.code == "version_mismatch":
+                            await flush()
+                            return
+                        if pending >= limit:
+                            await flush()
+                except FrameTooLargeError as e:
+                    self._bad_input("socket", str(e), b"")
+                    outbox.append(self._encode(p.Error(peer.seq, "bad_frame", f"{e}; closing")))
+                    await flush()
+                    return
+                await flush()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return
 
     @staticmethod
     def _encode(reply: p.Reply) -> bytes:
@@ -501,7 +524,9 @@ class Daemon:
             case p.Sync():
                 return p.Synced(seq)
             case p.ListTimers():
-                return p.TimerList(seq, self.timer_infos())
+                return p.TimerList(
+                    seq, self.timer_infos(self.limits.max_listed_timers), len(self.table)
+                )
             case p.GetStatus():
                 return self.status(seq)
             case p.Hello():
@@ -513,7 +538,8 @@ class Daemon:
 
     # -- queries -----------------------------------------------------------------
 
-    def timer_infos(self) -> list[p.TimerInfo]:
+    def timer_infos(self, limit: int) -> list[p.TimerInfo]:
+        """The ``limit`` soonest timers, soonest first."""
         now = time.monotonic()
         wall = time.time()
         return [
@@ -526,7 +552,7 @@ class Daemon:
                 source=t.source,
                 uid=None if t.uid < 0 else t.uid,
             )
-            for t in sorted(self.table)
+            for t in heapq.nsmallest(limit, self.table)
         ]
 
     def status(self, seq: int) -> p.StatusInfo:

@@ -168,8 +168,11 @@ class TimerInfo(msgspec.Struct, kw_only=True):
 
 
 class TimerList(msgspec.Struct, tag="timer_list", tag_field="op"):
+    """The soonest timers (at most the daemon's ``max_listed_timers``) and how many exist."""
+
     seq: int
     timers: list[TimerInfo]
+    total: int
 
 
 class StatusInfo(msgspec.Struct, tag="status_info", tag_field="op", kw_only=True):
