@@ -24,7 +24,7 @@ from functools import partial
 import anyio
 import msgspec
 
-from . import __version__, _aio
+from . import __version__, _aio, launch
 from .config import Config, ConfigError, load_config
 from .endpoints import EndpointError
 from .server import Daemon
@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="default: info"
     )
+    run = commands.add_parser(
+        "run",
+        help="launch one worker group in the foreground, like torchrun",
+        description=launch.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_run_arguments(run)
     return parser
 
 
@@ -102,6 +109,9 @@ def _serve(config: Config) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "run":
+        logging.basicConfig(level="INFO", format="[watchdogd] %(message)s")
+        return launch.run(args, Config())
     try:
         config = build_config(args)
     except ConfigError as e:

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from watchdogd_client._paths import FIFO_NAME, SOCKET_NAME, default_runtime_dir
+from watchdogd_client.groups import GroupSpec
 
 __all__ = ["Config", "ConfigError", "Limits", "PolicyConfig", "load_config"]
 
@@ -68,6 +69,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     limits: Limits = msgspec.field(default_factory=Limits)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    groups: list[GroupSpec] = []
+    """Worker groups started with the daemon (``[[groups]]`` tables)."""
+
+    def __post_init__(self) -> None:
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"group names must be unique, got {names}")
 
     def runtime_path(self) -> Path:
         return Path(self.runtime_dir) if self.runtime_dir else default_runtime_dir()

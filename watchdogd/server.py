@@ -38,6 +38,7 @@ from .endpoints import EndpointError, Lock, group_id, open_fifo, open_socket, pr
 from .framing import OVERSIZED, FrameSplitter, FrameTooLargeError, LineSplitter
 from .policy import Policy, Requester, Target, check, valid_signals
 from .procs import ProcessHandle, ancestors, open_process, supplementary_groups
+from .supervisor import GroupError, Supervisor
 from .timers import Timer, TimerTable
 
 __all__ = ["Daemon", "EndpointError"]
@@ -91,6 +92,11 @@ class Daemon:
         self.counts: Counter[str] = Counter()
         self.connections = 0
         self.started_at = time.monotonic()
+        self.supervisor = Supervisor(self)
+        # Worker pids this daemon launched (pid -> group): FIFO requests may target them.
+        self.supervised: dict[int, str] = {}
+        # The scope whose expiry signalled a worker, for its group's failure report.
+        self.expired_scopes: dict[int, str] = {}
         self._wake = anyio.Event()
         self._policy = self._build_policy()
         self._admin_gid = self._lookup_admin_gid()
@@ -158,18 +164,22 @@ class Daemon:
                 cleanup.callback(_aio.unwatch, fifo_fd)
                 tg.start_soon(self._expiry_loop)
                 tg.start_soon(listener.serve, self._serve_connection, tg)
+                self.supervisor.attach(tg)
                 self.emit(
                     "daemon_started",
                     version=__version__,
                     socket=str(self.socket_path),
                     fifo=str(self.fifo_path),
                 )
+                for spec in self.config.groups:
+                    self.supervisor.submit(spec)
                 task_status.started(self)
                 if shutdown_trigger is None:
                     await anyio.sleep_forever()
                 else:
                     await shutdown_trigger()
                 self.emit("daemon_stopping", timers=len(self.table))
+                await self.supervisor.stop_all()
                 tg.cancel_scope.cancel()
 
     def _unlink_socket(self) -> None:
@@ -186,11 +196,17 @@ class Daemon:
     # -- events ------------------------------------------------------------------
 
     def emit(self, name: str, **metadata: str | int | float | bool | None) -> None:
-        """Record an event: to the daemon's log, and to the event log file if configured."""
+        """Record an event: one line in the daemon's log, one in the event log if configured."""
+        self.emit_at(logging.INFO, name, **metadata)
+
+    def emit_at(
+        self, level: int, name: str, /, **metadata: str | int | float | bool | None
+    ) -> None:
+        """:meth:`emit`, logged at ``level``."""
         event = Event(name, EventSource.AGENT, time.time_ns() // 1_000_000, metadata)
-        if log.isEnabledFor(logging.INFO):
+        if log.isEnabledFor(level):
             fields = " ".join(f"{key}={value!r}" for key, value in metadata.items())
-            log.info("%s %s", name, fields)
+            log.log(level, "%s %s", name, fields)
         record(event, self._event_destination)
 
     # -- the timer operations, shared by both transports -------------------------
@@ -233,7 +249,7 @@ class Daemon:
         refusal = check(
             self._policy,
             requester,
-            Target(pid, handle.uid, handle.kernel_thread),
+            Target(pid, handle.uid, handle.kernel_thread, pid in self.supervised),
             signal,
         )
         if refusal is not None:
@@ -269,7 +285,9 @@ class Daemon:
 
     def _check_existing(self, requester: Requester, pid: int) -> ErrorReply | None:
         handle = self.processes[pid]
-        refusal = check(self._policy, requester, Target(pid, handle.uid), 0)
+        refusal = check(
+            self._policy, requester, Target(pid, handle.uid, supervised=pid in self.supervised), 0
+        )
         return None if refusal is None else (refusal.code, refusal.reason)
 
     # -- processes ---------------------------------------------------------------
@@ -331,6 +349,8 @@ class Daemon:
             return
         late_ms = (time.monotonic() - timer.deadline) * 1000
         self.counts["signalled"] += 1
+        if timer.pid in self.supervised:
+            self.expired_scopes[timer.pid] = timer.scope_id
         self.emit("timer_expired", **self._describe(timer), action="signalled", late_ms=late_ms)
 
     @staticmethod
@@ -529,12 +549,37 @@ class Daemon:
                 )
             case p.GetStatus():
                 return self.status(seq)
+            case p.ListGroups():
+                return p.GroupList(seq, [r.info() for r in self.supervisor.groups.values()])
+            case p.SubmitGroup() | p.StopGroup() | p.RestartGroup():
+                return self._control_group(seq, peer, request)
             case p.Hello():
                 return p.Error(seq, "bad_request", "hello was already sent on this connection")
         if error is None:
             return None
         self._refused("socket", target, getattr(request, "scope_id", ""), error)
         return p.Error(seq, *error)
+
+    def _control_group(
+        self, seq: int, peer: _Peer, request: p.SubmitGroup | p.StopGroup | p.RestartGroup
+    ) -> p.Reply:
+        if not peer.admin:
+            return p.Error(
+                seq, "refused", "only root and the admin group may submit, stop or restart groups"
+            )
+        try:
+            match request:
+                case p.SubmitGroup(spec):
+                    self.supervisor.submit(spec)
+                    return p.Ok(seq, f"group {spec.name} started")
+                case p.StopGroup(name):
+                    self.supervisor.get(name).stop()
+                    return p.Ok(seq, f"group {name} stopping")
+                case p.RestartGroup(name):
+                    self.supervisor.get(name).restart()
+                    return p.Ok(seq, f"group {name} restarting")
+        except GroupError as e:
+            return p.Error(seq, "group_error", str(e))
 
     # -- queries -----------------------------------------------------------------
 

@@ -31,6 +31,8 @@ from typing import Final, Literal
 
 import msgspec
 
+from .groups import GroupInfo, GroupSpec
+
 __all__ = [
     "ERROR_CODES",
     "FRAME_HEADER_SIZE",
@@ -40,13 +42,19 @@ __all__ = [
     "Error",
     "FileTimerRequest",
     "GetStatus",
+    "GroupList",
     "Hello",
+    "ListGroups",
     "ListTimers",
+    "Ok",
     "Release",
     "ReleaseAll",
     "Reply",
     "Request",
+    "RestartGroup",
     "StatusInfo",
+    "StopGroup",
+    "SubmitGroup",
     "Sync",
     "Synced",
     "TimerInfo",
@@ -69,6 +77,7 @@ ErrorCode = Literal[
     "refused",
     "no_such_process",
     "limit_exceeded",
+    "group_error",
     "internal",
 ]
 ERROR_CODES: Final[tuple[str, ...]] = ErrorCode.__args__  # type: ignore[attr-defined]
@@ -137,7 +146,41 @@ class GetStatus(msgspec.Struct, tag="status", tag_field="op"):
     """Answered with :class:`StatusInfo`."""
 
 
-Request = Hello | Acquire | Release | ReleaseAll | Sync | ListTimers | GetStatus
+class ListGroups(msgspec.Struct, tag="list_groups", tag_field="op"):
+    """Answered with :class:`GroupList`."""
+
+
+class SubmitGroup(msgspec.Struct, tag="submit_group", tag_field="op"):
+    """Start a worker group (root or the admin group only). Answered with :class:`Ok`."""
+
+    spec: GroupSpec
+
+
+class StopGroup(msgspec.Struct, tag="stop_group", tag_field="op"):
+    """Stop a group's workers (SIGTERM, then SIGKILL). Answered with :class:`Ok`."""
+
+    name: str
+
+
+class RestartGroup(msgspec.Struct, tag="restart_group", tag_field="op"):
+    """Restart a group's workers without spending a restart. Answered with :class:`Ok`."""
+
+    name: str
+
+
+Request = (
+    Hello
+    | Acquire
+    | Release
+    | ReleaseAll
+    | Sync
+    | ListTimers
+    | GetStatus
+    | ListGroups
+    | SubmitGroup
+    | StopGroup
+    | RestartGroup
+)
 
 
 # --- replies ----------------------------------------------------------------
@@ -192,6 +235,16 @@ class StatusInfo(msgspec.Struct, tag="status_info", tag_field="op", kw_only=True
     bad_input: int
 
 
+class GroupList(msgspec.Struct, tag="group_list", tag_field="op"):
+    seq: int
+    groups: list[GroupInfo]
+
+
+class Ok(msgspec.Struct, tag="ok", tag_field="op"):
+    seq: int
+    message: str = ""
+
+
 class Error(msgspec.Struct, tag="error", tag_field="op"):
     """A request failed; ``seq`` names which one (``-1``: the stream itself)."""
 
@@ -200,7 +253,7 @@ class Error(msgspec.Struct, tag="error", tag_field="op"):
     message: str
 
 
-Reply = Welcome | Synced | TimerList | StatusInfo | Error
+Reply = Welcome | Synced | TimerList | StatusInfo | GroupList | Ok | Error
 
 
 def frame(payload: bytes) -> bytes:

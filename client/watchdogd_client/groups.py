@@ -1,0 +1,132 @@
+"""Worker groups: what to launch (:class:`GroupSpec`) and what it is doing (:class:`GroupInfo`).
+
+A spec is a TOML table, a ``watchdogctl submit`` file, or what ``watchdogd
+run`` builds from torchrun's flags::
+
+    name = "llama"
+    entrypoint = ["python", "-u", "train.py", "--lr", "3e-4"]
+    nproc = 8
+    max_restarts = 3
+    gpus = "all"
+    log_dir = "/var/log/watchdogd"
+    tee = "3"                       # both streams: files and console
+    [rendezvous]
+    nnodes = 2
+    node_rank = 0
+    master_addr = "10.0.0.1"
+    master_port = 29500
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import msgspec
+
+__all__ = ["Failure", "GroupInfo", "GroupSpec", "GroupState", "RendezvousSpec", "WorkerInfo"]
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+# torchrun's stream selector: "0" none, "1" stdout, "2" stderr, "3" both, or
+# per local rank, "0:1,1:3".
+StreamSelector = Annotated[str, msgspec.Meta(pattern=r"^([0-3]|\d+:[0-3](,\d+:[0-3])*)$")]
+
+
+class GroupState(enum.StrEnum):
+    """A worker group's state (torch's ``WorkerState``, plus STOPPING)."""
+
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    STOPPING = "STOPPING"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    UNHEALTHY = "UNHEALTHY"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (GroupState.SUCCEEDED, GroupState.FAILED, GroupState.UNHEALTHY)
+
+
+class RendezvousSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How this node finds the others. ``static``: fixed nodes, this node's rank."""
+
+    backend: Literal["static"] = "static"
+    nnodes: Annotated[int, msgspec.Meta(ge=1)] = 1
+    node_rank: NonNegative = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+    """None: a free port on a single node, torch's 29500 across nodes."""
+    run_id: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+
+
+class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    entrypoint: Annotated[list[str], msgspec.Meta(min_length=1)]
+    nproc: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    max_restarts: NonNegative = 0
+    role: str = "default"
+    env: dict[str, str] = {}
+    cwd: str | None = None
+    gpus: Literal["all"] | list[NonNegative] | None = None
+    """None: leave CUDA_VISIBLE_DEVICES alone; "all": the devices this daemon sees."""
+    virtual_local_rank: bool = False
+    """One device per worker, as device 0, with LOCAL_RANK=0."""
+    log_dir: str | None = None
+    redirects: StreamSelector = "0"
+    tee: StreamSelector = "0"
+    local_ranks_filter: list[NonNegative] | None = None
+    """Ranks whose tee'd output reaches the console; None: all."""
+    log_line_prefix_template: str | None = None
+    """``$role_name``, ``$local_rank``, ``$rank``, ``$hostname``; default ``[$role_name$rank]:``."""
+    shutdown_timeout: Seconds = 30.0
+    """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    uninterruptible_state_timeout: Seconds | None = None
+    """A worker in D state this long makes the group UNHEALTHY (None: not checked)."""
+    rendezvous: RendezvousSpec = msgspec.field(default_factory=RendezvousSpec)
+
+    def __post_init__(self) -> None:
+        explicit = self.gpus is not None and self.gpus != "all"
+        if explicit and self.virtual_local_rank and len(self.gpus or ()) < self.nproc:
+            raise ValueError(
+                f"virtual_local_rank needs one GPU per worker: nproc {self.nproc}, gpus {self.gpus}"
+            )
+        if (self.redirects != "0" or self.tee != "0") and self.log_dir is None:
+            raise ValueError("redirects and tee write files: set log_dir")
+
+
+class Failure(msgspec.Struct, kw_only=True):
+    """Why an attempt failed: the first worker that did."""
+
+    local_rank: int
+    rank: int
+    pid: int
+    exitcode: int
+    """Negative: killed by that signal."""
+    reason: str
+    error_file: str | None = None
+    error_message: str | None = None
+    timestamp: float
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    local_rank: int
+    rank: int
+    pid: int
+    exitcode: int | None = None
+
+
+class GroupInfo(msgspec.Struct, kw_only=True):
+    name: str
+    state: GroupState
+    attempt: int
+    restarts_left: int
+    workers: list[WorkerInfo]
+    last_failure: Failure | None = None
+    started_at: float
+    """Wall-clock time of the first attempt."""

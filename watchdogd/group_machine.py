@@ -1,0 +1,178 @@
+"""The worker group state machine. Pure: calls in, actions out, no clock of its own.
+
+Rules
+-----
+- ``start`` spawns attempt 0: INIT -> HEALTHY.
+- A worker that exits 0 is done; when every worker is done: HEALTHY -> SUCCEEDED.
+- A worker that exits non-zero (a crash, or killed by its expired timer)
+  fails the attempt: the others get SIGTERM, then SIGKILL ``shutdown_timeout``
+  later (HEALTHY -> STOPPING). Once all have exited: STOPPING -> STOPPED, then
+  STOPPED -> HEALTHY with a new attempt while restarts remain, else
+  STOPPED -> FAILED.
+- A worker stuck in D state: HEALTHY -> UNHEALTHY at once, every worker gets
+  SIGKILL, and there is no restart (the node itself is suspect).
+- ``stop`` (operator, shutdown): every worker is stopped, ending in STOPPED.
+- ``restart`` (operator) and ``membership_changed`` (a node joined) stop the
+  workers and start a new attempt without spending a restart.
+
+Actions are returned in order: :class:`Transition` (record it),
+:class:`Spawn` (start every worker of an attempt), :class:`Signal` (send to
+these local ranks), :class:`Finished` (the group reached a final state).
+``next_wake()`` says when to call ``tick`` (the SIGKILL escalation).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Literal
+
+import msgspec
+
+from watchdogd_client.groups import GroupState
+
+__all__ = ["Action", "Finished", "GroupMachine", "Signal", "Spawn", "Transition"]
+
+S = GroupState
+AfterStop = Literal["restart", "restart_free", "fail", "stop"]
+
+
+class Transition(msgspec.Struct, frozen=True):
+    old: GroupState
+    new: GroupState
+    reason: str
+    attempt: int
+
+
+class Spawn(msgspec.Struct, frozen=True):
+    attempt: int
+    restart_count: int
+
+
+class Signal(msgspec.Struct, frozen=True):
+    local_ranks: tuple[int, ...]
+    signal: int
+
+
+class Finished(msgspec.Struct, frozen=True):
+    state: GroupState
+
+
+Action = Transition | Spawn | Signal | Finished
+
+
+class GroupMachine:
+    def __init__(self, nproc: int, max_restarts: int, shutdown_timeout: float) -> None:
+        self.nproc = nproc
+        self.max_restarts = max_restarts
+        self.shutdown_timeout = shutdown_timeout
+        self.state = S.INIT
+        self.attempt = 0
+        self.restarts_used = 0
+        self.alive: set[int] = set()
+        self.exitcodes: dict[int, int] = {}
+        self._after_stop: AfterStop = "stop"
+        self._kill_at: float | None = None
+
+    @property
+    def restarts_left(self) -> int:
+        return self.max_restarts - self.restarts_used
+
+    def next_wake(self) -> float | None:
+        return self._kill_at
+
+    # -- inputs ------------------------------------------------------------------
+
+    def start(self) -> list[Action]:
+        if self.state is not S.INIT:
+            raise RuntimeError(f"start() in state {self.state.value}")
+        return self._spawn("starting")  # INIT -> HEALTHY
+
+    def worker_exited(self, local_rank: int, exitcode: int, now: float) -> list[Action]:
+        if local_rank not in self.alive:
+            return []
+        self.alive.discard(local_rank)
+        self.exitcodes[local_rank] = exitcode
+        if self.state is S.HEALTHY:
+            if exitcode != 0:
+                after: AfterStop = "restart" if self.restarts_left > 0 else "fail"
+                return self._stop_workers(now, after, f"local rank {local_rank} failed")
+            if not self.alive:
+                return [self._move(S.SUCCEEDED, "every worker exited 0"), Finished(S.SUCCEEDED)]
+            return []
+        if self.state is S.STOPPING and not self.alive:
+            return self._stopped()
+        return []
+
+    def worker_stuck(self, local_rank: int, now: float) -> list[Action]:
+        """A worker stayed in D state past the timeout."""
+        if self.state not in (S.HEALTHY, S.STOPPING):
+            return []
+        actions: list[Action] = [
+            self._move(S.UNHEALTHY, f"local rank {local_rank} stuck in D state")  # -> UNHEALTHY
+        ]
+        if self.alive:
+            actions.append(Signal(tuple(sorted(self.alive)), signal.SIGKILL))
+        self._kill_at = None
+        actions.append(Finished(S.UNHEALTHY))
+        return actions
+
+    def stop(self, now: float, reason: str = "stop requested") -> list[Action]:
+        if self.state is S.HEALTHY:
+            return self._stop_workers(now, "stop", reason)
+        if self.state is S.STOPPING:
+            self._after_stop = "stop"
+        return []
+
+    def restart(self, now: float, reason: str = "restart requested") -> list[Action]:
+        """Start a new attempt without spending a restart (operator, scale-up)."""
+        if self.state is S.HEALTHY:
+            return self._stop_workers(now, "restart_free", reason)
+        return []
+
+    membership_changed = restart
+
+    def tick(self, now: float) -> list[Action]:
+        if self._kill_at is None or now < self._kill_at or self.state is not S.STOPPING:
+            return []
+        self._kill_at = None
+        return [Signal(tuple(sorted(self.alive)), signal.SIGKILL)]
+
+    # -- transitions -------------------------------------------------------------
+
+    def _move(self, new: GroupState, reason: str) -> Transition:
+        old, self.state = self.state, new
+        return Transition(old, new, reason, self.attempt)
+
+    def _spawn(self, reason: str) -> list[Action]:
+        self.alive = set(range(self.nproc))
+        self.exitcodes = {}
+        return [
+            self._move(S.HEALTHY, reason),
+            Spawn(self.attempt, self.restarts_used),
+        ]
+
+    def _stop_workers(self, now: float, after: AfterStop, reason: str) -> list[Action]:
+        self._after_stop = after
+        actions: list[Action] = [self._move(S.STOPPING, reason)]  # HEALTHY -> STOPPING
+        if not self.alive:
+            return actions + self._stopped()
+        self._kill_at = now + self.shutdown_timeout
+        actions.append(Signal(tuple(sorted(self.alive)), signal.SIGTERM))
+        return actions
+
+    def _stopped(self) -> list[Action]:
+        self._kill_at = None
+        actions: list[Action] = [self._move(S.STOPPED, "every worker exited")]
+        match self._after_stop:
+            case "restart":
+                self.restarts_used += 1
+                self.attempt += 1
+                actions += self._spawn(f"restart {self.restarts_used} of {self.max_restarts}")
+            case "restart_free":
+                self.attempt += 1
+                actions += self._spawn("restart (not counted)")
+            case "fail":
+                actions += [self._move(S.FAILED, "no restarts left"), Finished(S.FAILED)]
+            case "stop":
+                actions.append(Finished(S.STOPPED))
+        return actions

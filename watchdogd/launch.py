@@ -1,0 +1,246 @@
+"""``watchdogd run``: torchrun's command line, one group in the foreground, timers built in.
+
+Replace the word ``torchrun`` in a launch script with ``watchdogd run``: the
+flags keep their names and meanings (dashes or underscores, ``PET_*``
+environment defaults), the workers get torchrun's environment, and the exit
+status follows the group's: 0 when every worker succeeded, 1 with a summary
+of the first failure otherwise, 128+N when stopped by signal N (workers are
+stopped gracefully first, none is left behind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from watchdogd_client.groups import GroupSpec, GroupState, RendezvousSpec
+
+from . import _aio
+from .config import Config
+from .server import Daemon
+from .supervisor import GroupError, GroupRunner, visible_gpus
+
+__all__ = ["add_run_arguments", "run", "spec_from_args"]
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _flag(parser: argparse._ActionsContainer, name: str, **kwargs: object) -> None:
+    """A torchrun flag: ``--a-b`` and ``--a_b``, defaulting to ``$PET_A_B`` when set."""
+    dest = name.lstrip("-").replace("-", "_")
+    aliases = [name] if "-" not in name[2:] else [name, "--" + dest]
+    if "default" in kwargs:
+        kwargs["default"] = os.environ.get(f"PET_{dest.upper()}", kwargs["default"])
+    parser.add_argument(*aliases, dest=dest, **kwargs)  # type: ignore[arg-type]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "--nproc-per-node", default="1", metavar="N",
+          help="workers on this node: a number, 'gpu', 'cpu' or 'auto'")  # fmt: skip
+    _flag(parser, "--nnodes", default="1", metavar="N[:N]", help="nodes in the job (static: fixed)")
+    _flag(parser, "--node-rank", type=int, default=0, help="this node's rank")
+    _flag(parser, "--master-addr", default="127.0.0.1", help="rank 0's address")
+    _flag(parser, "--master-port", type=int, default=None, help="rank 0's port (default: free)")
+    _flag(parser, "--max-restarts", type=int, default=0, help="restarts before failing")
+    _flag(parser, "--rdzv-backend", default="static", help="rendezvous backend: static")
+    _flag(parser, "--rdzv-endpoint", default="", help="HOST:PORT of the master (static)")
+    _flag(parser, "--rdzv-id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
+    _flag(parser, "--rdzv-conf", default="", help="accepted for compatibility")
+    _flag(parser, "--standalone", action="store_true", help="single node, free port")
+    _flag(parser, "--role", default="default", help="worker role name")
+    _flag(parser, "--log-dir", default=None, help="per-attempt, per-rank logs go here")
+    parser.add_argument(
+        "-r",
+        "--redirects",
+        default=os.environ.get("PET_REDIRECTS", "0"),
+        help="streams to files only: 0 none, 1 stdout, 2 stderr, 3 both; or per rank 0:1,1:3",
+    )
+    parser.add_argument(
+        "-t",
+        "--tee",
+        default=os.environ.get("PET_TEE", "0"),
+        help="streams to files and to the console with a prefix (same values as -r)",
+    )
+    _flag(parser, "--local-ranks-filter", default="", help="ranks whose tee'd output is shown")
+    _flag(parser, "--log-line-prefix-template", default=None, help="e.g. '[$rank]:'")
+    _flag(parser, "--virtual-local-rank", action="store_true", help="one GPU per worker")
+    _flag(parser, "--shutdown-timeout", type=float, default=30.0, help="SIGTERM to SIGKILL")
+    _flag(parser, "--no-python", action="store_true", help="run SCRIPT as a program")
+    parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as python -m")
+    _flag(parser, "--run-path", action="store_true", help="run SCRIPT as a path (the default)")
+    _flag(parser, "--monitor-interval", type=float, default=0.1,
+          help="accepted for compatibility: exits are seen at once")  # fmt: skip
+    _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
+    parser.add_argument("training_script", metavar="SCRIPT", help="script, module or -- CMD")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+
+
+def _nproc(value: str) -> int:
+    if value.isdigit():
+        return int(value)
+    gpus = visible_gpus()
+    if value == "gpu":
+        if not gpus:
+            raise ValueError("--nproc-per-node gpu: no GPU is visible")
+        return len(gpus)
+    if value == "cpu":
+        return os.cpu_count() or 1
+    if value == "auto":
+        return len(gpus) if gpus else os.cpu_count() or 1
+    raise ValueError(f"--nproc-per-node: expected a number, gpu, cpu or auto, got {value!r}")
+
+
+def _entrypoint(args: argparse.Namespace) -> list[str]:
+    script, rest = args.training_script, list(args.training_script_args)
+    if script == "--":
+        if not rest:
+            raise ValueError("nothing to run after --")
+        return rest
+    if args.no_python:
+        return [script, *rest]
+    if args.module:
+        return [sys.executable, "-u", "-m", script, *rest]
+    return [sys.executable, "-u", script, *rest]
+
+
+def spec_from_args(args: argparse.Namespace) -> GroupSpec:
+    """The group torchrun would launch for these flags; ValueError names a bad one."""
+    if args.rdzv_backend != "static":
+        raise ValueError(f"--rdzv-backend {args.rdzv_backend!r} is not supported; use static")
+    low, _, high = args.nnodes.partition(":")
+    if not low.isdigit() or (high and high != low):
+        raise ValueError(f"--nnodes {args.nnodes!r}: the static backend needs a fixed count")
+    master_addr, master_port = args.master_addr, args.master_port
+    if args.rdzv_endpoint and not args.standalone:
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        master_addr, master_port = host or args.rdzv_endpoint, int(port) if port else master_port
+    nproc = _nproc(args.nproc_per_node)
+    env = {}
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so workers don't oversubscribe
+    log_dir = args.log_dir
+    if log_dir is None and (args.redirects != "0" or args.tee != "0"):
+        log_dir = tempfile.mkdtemp(prefix="watchdogd-logs-")
+    ranks_filter = (
+        [int(r) for r in args.local_ranks_filter.split(",")] if args.local_ranks_filter else None
+    )
+    try:
+        return msgspec.convert(
+            {
+                "name": args.role,
+                "entrypoint": _entrypoint(args),
+                "nproc": nproc,
+                "max_restarts": args.max_restarts,
+                "role": args.role,
+                "env": env,
+                "log_dir": log_dir,
+                "redirects": args.redirects,
+                "tee": args.tee,
+                "local_ranks_filter": ranks_filter,
+                "log_line_prefix_template": args.log_line_prefix_template,
+                "virtual_local_rank": args.virtual_local_rank,
+                "shutdown_timeout": args.shutdown_timeout,
+                "rendezvous": RendezvousSpec(
+                    nnodes=int(low),
+                    node_rank=args.node_rank,
+                    master_addr=master_addr,
+                    master_port=master_port,
+                    run_id=args.rdzv_id,
+                ),
+            },
+            GroupSpec,
+        )
+    except msgspec.ValidationError as e:
+        raise ValueError(str(e)) from None
+
+
+def summarize(runner: GroupRunner, state: GroupState) -> str:
+    info = runner.info()
+    lines = [
+        f"watchdogd run: group {info.name} {state.value} "
+        f"after {info.attempt + 1} attempt(s), {runner.machine.restarts_used} restart(s)"
+    ]
+    failure = info.last_failure
+    if failure is not None:
+        lines.append(
+            f"  rank {failure.rank} (local rank {failure.local_rank}, pid {failure.pid}): "
+            f"{failure.reason}"
+        )
+        if failure.error_message:
+            lines.append(f"  error: {failure.error_message}")
+        if failure.error_file:
+            lines.append(f"  error file: {failure.error_file}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, config: Config) -> int:
+    try:
+        spec = spec_from_args(args)
+    except ValueError as e:
+        print(f"watchdogd run: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    runtime_dir = None
+    if config.runtime_dir is None and config.socket is None and config.fifo is None:
+        # A private timer service, so that it never collides with the node's daemon.
+        runtime_dir = Path(tempfile.mkdtemp(prefix="watchdogd-run-"))
+        config = msgspec.structs.replace(config, runtime_dir=str(runtime_dir))
+    daemon = Daemon(config)
+    outcome: dict[str, GroupState | int] = {}
+    try:
+        _aio.run(partial(_run_group, daemon, spec, outcome))
+    finally:
+        if runtime_dir is not None:
+            for leftover in runtime_dir.iterdir():
+                leftover.unlink()
+            runtime_dir.rmdir()
+    if "error" in outcome:
+        return EXIT_USAGE
+    if "signal" in outcome:
+        return 128 + int(outcome["signal"])
+    runner = daemon.supervisor.groups[spec.name]
+    state = outcome.get("state", runner.state)
+    assert isinstance(state, GroupState)
+    if state is GroupState.SUCCEEDED:
+        return 0
+    print(summarize(runner, state), file=sys.stderr)
+    return EXIT_FAILED
+
+
+async def _run_group(daemon: Daemon, spec: GroupSpec, outcome: dict[str, GroupState | int]) -> None:
+    done = anyio.Event()
+
+    def finished(runner: GroupRunner, state: GroupState) -> None:
+        outcome["state"] = state
+        done.set()
+
+    async def until_done_or_signalled() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        outcome["signal"] = signum
+                        done.set()
+
+            tg.start_soon(watch_signals)
+            await done.wait()
+            tg.cancel_scope.cancel()
+
+    daemon.supervisor.on_finished = finished
+    async with anyio.create_task_group() as tg:
+        await tg.start(partial(daemon.serve, shutdown_trigger=until_done_or_signalled))
+        try:
+            daemon.supervisor.submit(spec)
+        except GroupError as e:
+            print(f"watchdogd run: {e}", file=sys.stderr)
+            outcome["error"] = 1
+            done.set()

@@ -1,0 +1,528 @@
+"""Running worker groups: processes, logs and exits, driven by :class:`GroupMachine`.
+
+Each group runs as one task. It feeds the machine what happens (a worker
+exited, a worker is stuck in D state, an operator asked to stop or restart)
+and carries out what the machine returns (spawn an attempt, signal ranks).
+Exits are learned from each worker's pidfd becoming readable — from the
+event loop, not a polling interval.
+
+Workers start in their own session, so a signal to a worker reaches its
+whole process group (data loaders, compilers) and nothing is orphaned:
+when a worker exits, whatever it left in its group is killed before the
+worker is reaped, while its pid still names that group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+import anyio
+import anyio.abc
+import msgspec
+
+from watchdogd_client.groups import Failure, GroupInfo, GroupSpec, GroupState, WorkerInfo
+
+from . import _aio
+from .dstate import DStateDetector
+from .group_machine import Action, Finished, GroupMachine, Signal, Spawn, Transition
+from .procs import read_stat
+from .workerenv import (
+    Placement,
+    StreamRoutes,
+    attempt_dir,
+    gpu_assignment,
+    log_prefix,
+    stream_routes,
+    worker_env,
+)
+
+if TYPE_CHECKING:
+    from .server import Daemon
+
+__all__ = ["GroupError", "GroupRunner", "Supervisor"]
+
+log = logging.getLogger("watchdogd.supervisor")
+
+_TORCH_DEFAULT_PORT = 29500
+_DRAIN_TIMEOUT = 2.0
+
+
+class GroupError(Exception):
+    """A group cannot be started as specified (the message says why)."""
+
+
+def visible_gpus() -> list[str] | None:
+    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES``, else the driver's list."""
+    configured = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if configured is not None:
+        return [d.strip() for d in configured.split(",") if d.strip()]
+    driver = Path("/proc/driver/nvidia/gpus")
+    if driver.is_dir():
+        return [str(i) for i in range(len(list(driver.iterdir())))]
+    return None
+
+
+def free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((addr if addr not in ("localhost", "") else "127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def read_error_file(path: str | None) -> str | None:
+    """The message of a torch ``@record`` error file, if the worker wrote one."""
+    if path is None:
+        return None
+    try:
+        data = msgspec.json.decode(Path(path).read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    return str(message) if message is not None else None
+
+
+def describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+class _Tee:
+    """Copies a worker's pipe to its log file and, line by line with a prefix, to the console."""
+
+    def __init__(self, fd: int, file: IO[bytes] | None, console: IO[bytes], prefix: bytes) -> None:
+        self.fd = fd
+        self.file = file
+        self.console = console
+        self.prefix = prefix
+        self.partial = b""
+        self.done = anyio.Event()
+        _aio.watch_readable(fd, self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if not data:
+            self.close()
+            return
+        if self.file is not None:
+            self.file.write(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        if lines:
+            self.console.write(b"".join(self.prefix + line + b"\n" for line in lines))
+            self.console.flush()
+
+    def close(self) -> None:
+        if self.done.is_set():
+            return
+        _aio.unwatch(self.fd)
+        os.close(self.fd)
+        if self.partial:
+            self.console.write(self.prefix + self.partial + b"\n")
+            self.console.flush()
+        if self.file is not None:
+            self.file.close()
+        self.done.set()
+
+
+class _Worker:
+    def __init__(self, local_rank: int, rank: int, attempt: int, popen: subprocess.Popen[bytes]):
+        self.local_rank = local_rank
+        self.rank = rank
+        self.attempt = attempt
+        self.popen = popen
+        self.pid = popen.pid
+        self.pidfd = os.pidfd_open(popen.pid)
+        self.exitcode: int | None = None
+        self.exited = anyio.Event()
+        self.started = time.time()
+        self.error_file: str | None = None
+
+
+class GroupRunner:
+    """One worker group: its machine, its processes, its logs."""
+
+    def __init__(self, spec: GroupSpec, daemon: Daemon) -> None:
+        self.spec = spec
+        self.daemon = daemon
+        self.machine = GroupMachine(spec.nproc, spec.max_restarts, spec.shutdown_timeout)
+        self.workers: dict[int, _Worker] = {}
+        self.tees: list[_Tee] = []
+        self.last_failure: Failure | None = None
+        self.started_at = time.time()
+        self.hostname = socket.gethostname()
+        self.placement = self._place()
+        self.routes = stream_routes(spec)
+        self.gpus = self._assign_gpus()
+        self.finished = anyio.Event()
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream[tuple[str, int, int]](
+            math.inf
+        )
+        self._detector = (
+            DStateDetector(spec.uninterruptible_state_timeout)
+            if spec.uninterruptible_state_timeout
+            else None
+        )
+
+    # -- setup -------------------------------------------------------------------
+
+    def _place(self) -> Placement:
+        rdzv = self.spec.rendezvous
+        port = rdzv.master_port
+        if port is None:
+            port = free_port(rdzv.master_addr) if rdzv.nnodes == 1 else _TORCH_DEFAULT_PORT
+        return Placement(
+            group_rank=rdzv.node_rank,
+            group_world_size=rdzv.nnodes,
+            master_addr=rdzv.master_addr,
+            master_port=port,
+            run_id=rdzv.run_id,
+        )
+
+    def _assign_gpus(self) -> dict[int, str | None]:
+        try:
+            return gpu_assignment(self.spec, visible_gpus())
+        except ValueError as e:
+            raise GroupError(f"group {self.spec.name}: {e}") from None
+
+    # -- control -----------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._inbox_send.send_nowait(("stop", -1, -1))
+
+    def restart(self) -> None:
+        self._inbox_send.send_nowait(("restart", -1, -1))
+
+    @property
+    def state(self) -> GroupState:
+        return self.machine.state
+
+    def info(self) -> GroupInfo:
+        return GroupInfo(
+            name=self.spec.name,
+            state=self.machine.state,
+            attempt=self.machine.attempt,
+            restarts_left=self.machine.restarts_left,
+            workers=[
+                WorkerInfo(local_rank=w.local_rank, rank=w.rank, pid=w.pid, exitcode=w.exitcode)
+                for w in self.workers.values()
+            ],
+            last_failure=self.last_failure,
+            started_at=self.started_at,
+        )
+
+    # -- the loop ----------------------------------------------------------------
+
+    async def run(self) -> GroupState:
+        """Run the group to a final state (or STOPPED); every worker is gone on return."""
+        try:
+            final = self._apply(self.machine.start())
+            while final is None:
+                final = self._apply(await self._next_input())
+            return final
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._kill_everything()
+            self.finished.set()
+
+    async def _next_input(self) -> list[Action]:
+        wakes = [t for t in (self.machine.next_wake(),) if t is not None]
+        if self._detector is not None:
+            wakes.append(time.monotonic() + self._detector.sample_interval())
+        delay = max(0.0, min(wakes) - time.monotonic()) if wakes else math.inf
+        with anyio.move_on_after(delay):
+            kind, local_rank, value = await self._inbox.receive()
+            now = time.monotonic()
+            match kind:
+                case "exit":
+                    return self._on_exit(local_rank, value, now)
+                case "stop":
+                    return self.machine.stop(now)
+                case "restart":
+                    return self.machine.restart(now)
+        now = time.monotonic()
+        return self.machine.tick(now) + self._sample_d_state(now)
+
+    def _sample_d_state(self, now: float) -> list[Action]:
+        if self._detector is None:
+            return []
+        states = {}
+        for worker in self.workers.values():
+            if worker.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    states[worker.local_rank] = read_stat(worker.pid).state
+        actions: list[Action] = []
+        for local_rank in self._detector.observe(states, now):
+            worker = self.workers[local_rank]
+            self._record_failure(worker, 0, "stuck in uninterruptible sleep (D state)")
+            actions += self.machine.worker_stuck(local_rank, now)
+        return actions
+
+    def _apply(self, actions: list[Action]) -> GroupState | None:
+        final = None
+        for action in actions:
+            match action:
+                case Transition(old, new, reason, attempt):
+                    self.daemon.emit(
+                        "group_state",
+                        group=self.spec.name,
+                        old=old.value,
+                        state=new.value,
+                        reason=reason,
+                        attempt=attempt,
+                        run_id=self.placement.run_id,
+                        role=self.spec.role,
+                        hostname=self.hostname,
+                        agent_restarts=self.machine.restarts_used,
+                    )
+                case Spawn(attempt, restart_count):
+                    self._spawn_all(attempt, restart_count)
+                case Signal(local_ranks, signum):
+                    for local_rank in local_ranks:
+                        self._signal(self.workers[local_rank], signum)
+                case Finished(state):
+                    final = state
+        return final
+
+    # -- processes ---------------------------------------------------------------
+
+    def _spawn_all(self, attempt: int, restart_count: int) -> None:
+        self.workers = {}
+        base = dict(os.environ)
+        directory = attempt_dir(self.spec, attempt)
+        for local_rank in range(self.spec.nproc):
+            rank = self.placement.group_rank * self.spec.nproc + local_rank
+            env = worker_env(
+                self.spec,
+                self.placement,
+                local_rank,
+                restart_count,
+                attempt,
+                base=base,
+                cuda_visible=self.gpus[local_rank],
+                socket_path=str(self.daemon.socket_path),
+                fifo_path=str(self.daemon.fifo_path),
+            )
+            rank_dir = directory / str(local_rank) if directory is not None else None
+            if rank_dir is not None:
+                rank_dir.mkdir(parents=True, exist_ok=True)
+            worker = self._spawn(local_rank, rank, attempt, env, rank_dir)
+            worker.error_file = env.get("TORCHELASTIC_ERROR_FILE")
+            self.workers[local_rank] = worker
+            self.daemon.supervised[worker.pid] = self.spec.name
+            _aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
+            self.daemon.emit_at(
+                logging.DEBUG,
+                "worker_started",
+                group=self.spec.name,
+                run_id=self.placement.run_id,
+                global_rank=rank,
+                group_rank=self.placement.group_rank,
+                local_rank=local_rank,
+                worker_id=worker.pid,
+                role=self.spec.role,
+                hostname=self.hostname,
+                attempt=attempt,
+            )
+
+    def _spawn(
+        self,
+        local_rank: int,
+        rank: int,
+        attempt: int,
+        env: dict[str, str],
+        rank_dir: Path | None,
+    ) -> _Worker:
+        routes = self.routes[local_rank]
+        stdout = self._stream_target(routes, "stdout", rank_dir)
+        stderr = self._stream_target(routes, "stderr", rank_dir)
+        try:
+            popen = subprocess.Popen(
+                self.spec.entrypoint,
+                env=env,
+                cwd=self.spec.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        except OSError as e:
+            raise GroupError(
+                f"group {self.spec.name}: cannot start {self.spec.entrypoint[0]!r}: {e.strerror}"
+            ) from None
+        finally:
+            for target in (stdout, stderr):
+                if not isinstance(target, int | None):
+                    target.close()
+        prefix = log_prefix(self.spec, local_rank, rank, self.hostname).encode()
+        for name, pipe in (("stdout", popen.stdout), ("stderr", popen.stderr)):
+            if pipe is not None:
+                fd = os.dup(pipe.fileno())
+                pipe.close()
+                os.set_blocking(fd, False)
+                file = open(rank_dir / f"{name}.log", "ab") if rank_dir is not None else None  # noqa: SIM115
+                console = sys.stdout.buffer if name == "stdout" else sys.stderr.buffer
+                self.tees.append(_Tee(fd, file, console, prefix))
+        return _Worker(local_rank, rank, attempt, popen)
+
+    @staticmethod
+    def _stream_target(
+        routes: StreamRoutes, name: str, rank_dir: Path | None
+    ) -> int | IO[bytes] | None:
+        tee = routes.stdout_tee if name == "stdout" else routes.stderr_tee
+        to_file = routes.stdout_file if name == "stdout" else routes.stderr_file
+        if tee:
+            return subprocess.PIPE
+        if to_file and rank_dir is not None:
+            return open(rank_dir / f"{name}.log", "ab")
+        return None
+
+    def _signal(self, worker: _Worker, signum: int) -> None:
+        if worker.exitcode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            # The worker is not reaped yet, so its pid still names its process group.
+            os.killpg(worker.pid, signum)
+
+    def _on_pidfd(self, worker: _Worker) -> None:
+        _aio.unwatch(worker.pidfd)
+        os.close(worker.pidfd)
+        # Still a zombie: its process group id cannot be reused yet.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        worker.exitcode = worker.popen.wait()
+        worker.exited.set()
+        self.daemon.supervised.pop(worker.pid, None)
+        self._inbox_send.send_nowait(("exit", worker.local_rank, worker.attempt))
+
+    def _on_exit(self, local_rank: int, attempt: int, now: float) -> list[Action]:
+        worker = self.workers.get(local_rank)
+        if worker is None or worker.attempt != attempt or worker.exitcode is None:
+            return []
+        exitcode = worker.exitcode
+        expired_scope = self.daemon.expired_scopes.pop(worker.pid, None)
+        failed = exitcode != 0 and self.machine.state is GroupState.HEALTHY
+        if failed:
+            reason = describe_exit(exitcode)
+            if expired_scope is not None:
+                reason += f" (watchdogd: timer {expired_scope!r} expired)"
+            self._record_failure(worker, exitcode, reason)
+        self.daemon.emit_at(
+            logging.WARNING if failed else logging.DEBUG,
+            "worker_failed" if failed else "worker_exited",
+            group=self.spec.name,
+            run_id=self.placement.run_id,
+            global_rank=worker.rank,
+            group_rank=self.placement.group_rank,
+            local_rank=local_rank,
+            worker_id=worker.pid,
+            role=self.spec.role,
+            hostname=self.hostname,
+            exitcode=exitcode,
+            total_run_time=round(time.time() - worker.started, 3),
+            raw_error=self.last_failure.error_message if failed and self.last_failure else None,
+            attempt=attempt,
+        )
+        return self.machine.worker_exited(local_rank, exitcode, now)
+
+    def _record_failure(self, worker: _Worker, exitcode: int, reason: str) -> None:
+        self.last_failure = Failure(
+            local_rank=worker.local_rank,
+            rank=worker.rank,
+            pid=worker.pid,
+            exitcode=exitcode,
+            reason=reason,
+            error_file=worker.error_file,
+            error_message=read_error_file(worker.error_file),
+            timestamp=time.time(),
+        )
+
+    async def _kill_everything(self) -> None:
+        """On the way out: no worker survives, no output is lost."""
+        for worker in self.workers.values():
+            self._signal(worker, signal.SIGKILL)
+        with anyio.move_on_after(_DRAIN_TIMEOUT):
+            for worker in self.workers.values():
+                await worker.exited.wait()
+            for tee in self.tees:
+                await tee.done.wait()
+        for tee in self.tees:
+            tee.close()
+        for worker in self.workers.values():
+            if worker.exitcode is None:
+                with contextlib.suppress(ValueError, OSError):
+                    _aio.unwatch(worker.pidfd)
+                    os.close(worker.pidfd)
+                worker.exitcode = worker.popen.wait()
+                self.daemon.supervised.pop(worker.pid, None)
+
+
+class Supervisor:
+    """The daemon's worker groups, by name."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.groups: dict[str, GroupRunner] = {}
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self.on_finished: Callable[[GroupRunner, GroupState], None] | None = None
+
+    def attach(self, task_group: anyio.abc.TaskGroup) -> None:
+        self._task_group = task_group
+
+    def submit(self, spec: GroupSpec) -> GroupRunner:
+        """Start a group; GroupError if its name is running already or the spec cannot run."""
+        existing = self.groups.get(spec.name)
+        if existing is not None and not existing.finished.is_set():
+            raise GroupError(f"group {spec.name!r} is already running ({existing.state.value})")
+        if self._task_group is None:
+            raise GroupError("the supervisor is not running")
+        runner = GroupRunner(spec, self.daemon)
+        self.groups[spec.name] = runner
+        self._task_group.start_soon(self._run, runner, name=f"group {spec.name}")
+        return runner
+
+    async def _run(self, runner: GroupRunner) -> None:
+        try:
+            state = await runner.run()
+        except GroupError as e:
+            self.daemon.emit("group_error", group=runner.spec.name, reason=str(e))
+            runner.last_failure = Failure(
+                local_rank=-1, rank=-1, pid=0, exitcode=127, reason=str(e), timestamp=time.time()
+            )
+            state = GroupState.FAILED
+        if self.on_finished is not None:
+            self.on_finished(runner, state)
+
+    def get(self, name: str) -> GroupRunner:
+        runner = self.groups.get(name)
+        if runner is None:
+            raise GroupError(f"no group named {name!r}")
+        return runner
+
+    async def stop_all(self) -> None:
+        """Stop every group gracefully (SIGTERM, then SIGKILL after its timeout)."""
+        running = [r for r in self.groups.values() if not r.finished.is_set()]
+        for runner in running:
+            runner.stop()
+        for runner in running:
+            await runner.finished.wait()
