@@ -107,8 +107,23 @@ def _serve(config: Config) -> int:
     return EXIT_OK
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = _parser()
+    if argv[:1] != ["run"] or "--" not in argv:
+        return parser.parse_args(argv)
+    # `run [FLAGS] -- CMD ARGS`: everything after the first "--" is the command,
+    # unless a script came before it, whose arguments then include the rest.
+    split = argv.index("--")
+    args = parser.parse_args(argv[:split])
+    if args.training_script is None:
+        args.training_script, args.training_script_args = "--", argv[split + 1 :]
+    else:
+        args.training_script_args += argv[split:]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
     if args.command == "run":
         logging.basicConfig(level="INFO", format="[watchdogd] %(message)s")
         return launch.run(args, Config())

@@ -80,7 +80,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--monitor-interval", type=float, default=0.1,
           help="accepted for compatibility: exits are seen at once")  # fmt: skip
     _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
-    parser.add_argument("training_script", metavar="SCRIPT", help="script, module or -- CMD")
+    parser.add_argument(
+        "training_script", nargs="?", metavar="SCRIPT", help="script, module, or -- CMD ARGS"
+    )
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, metavar="ARGS")
 
 
@@ -101,6 +103,8 @@ def _nproc(value: str) -> int:
 
 def _entrypoint(args: argparse.Namespace) -> list[str]:
     script, rest = args.training_script, list(args.training_script_args)
+    if script is None:
+        raise ValueError("no SCRIPT given (or -- CMD ARGS)")
     if script == "--":
         if not rest:
             raise ValueError("nothing to run after --")
@@ -130,6 +134,7 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
     log_dir = args.log_dir
     if log_dir is None and (args.redirects != "0" or args.tee != "0"):
         log_dir = tempfile.mkdtemp(prefix="watchdogd-logs-")
+    d_state_timeout = os.environ.get("TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT") or None
     ranks_filter = (
         [int(r) for r in args.local_ranks_filter.split(",")] if args.local_ranks_filter else None
     )
@@ -149,6 +154,9 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "log_line_prefix_template": args.log_line_prefix_template,
                 "virtual_local_rank": args.virtual_local_rank,
                 "shutdown_timeout": args.shutdown_timeout,
+                "uninterruptible_state_timeout": float(d_state_timeout)
+                if d_state_timeout
+                else None,
                 "rendezvous": RendezvousSpec(
                     nnodes=int(low),
                     node_rank=args.node_rank,

@@ -439,6 +439,7 @@ class GroupRunner:
             role=self.spec.role,
             hostname=self.hostname,
             exitcode=exitcode,
+            reason=self.last_failure.reason if failed and self.last_failure else None,
             total_run_time=round(time.time() - worker.started, 3),
             raw_error=self.last_failure.error_message if failed and self.last_failure else None,
             attempt=attempt,

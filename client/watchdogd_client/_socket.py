@@ -26,6 +26,7 @@ from . import protocol as p
 from ._errors import DaemonUnavailableError, ProtocolError, RequestError
 from ._paths import default_socket_path
 from ._timer import TimerClient
+from .groups import GroupInfo, GroupSpec
 
 __all__ = ["SocketTimerClient"]
 
@@ -112,6 +113,19 @@ class SocketTimerClient(TimerClient):
 
     def status(self) -> p.StatusInfo:
         return self.request(p.GetStatus(), p.StatusInfo)
+
+    def list_groups(self) -> list[GroupInfo]:
+        return self.request(p.ListGroups(), p.GroupList).groups
+
+    def submit_group(self, spec: GroupSpec) -> str:
+        """Start a worker group in the daemon (root or the admin group only)."""
+        return self.request(p.SubmitGroup(spec), p.Ok).message
+
+    def stop_group(self, name: str) -> str:
+        return self.request(p.StopGroup(name), p.Ok).message
+
+    def restart_group(self, name: str) -> str:
+        return self.request(p.RestartGroup(name), p.Ok).message
 
     def request(self, message: p.Request, expect: type[_R]) -> _R:
         """Send ``message`` and wait for its reply, which must be an ``expect``."""
