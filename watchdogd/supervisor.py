@@ -208,10 +208,15 @@ class GroupRunner:
     # -- control -----------------------------------------------------------------
 
     def stop(self) -> None:
-        self._inbox_send.send_nowait(("stop", -1, -1))
+        self._control("stop")
 
     def restart(self) -> None:
-        self._inbox_send.send_nowait(("restart", -1, -1))
+        self._control("restart")
+
+    def _control(self, command: str) -> None:
+        if self.finished.is_set():
+            raise GroupError(f"group {self.spec.name} is not running ({self.state.value})")
+        self._inbox_send.send_nowait((command, -1, -1))
 
     @property
     def state(self) -> GroupState:
@@ -243,6 +248,8 @@ class GroupRunner:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._kill_everything()
+            self._inbox_send.close()
+            self._inbox.close()
             self.finished.set()
 
     async def _next_input(self) -> list[Action]:
