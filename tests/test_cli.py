@@ -10,10 +10,11 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import watchdogd_client as wd
 
-from .conftest import REPO
+from .conftest import REPO, wait_until
 
 TRAINER = [sys.executable, str(REPO / "examples/trainer.py")]
 
@@ -143,3 +144,49 @@ def test_help_explains_the_defaults() -> None:
     out = subprocess.run(["watchdogd", "serve", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     assert "XDG_RUNTIME_DIR" in out.stdout and "--fifo" in out.stdout
+
+
+def test_watchdogctl_controls_groups(short_dir: Path) -> None:
+    config = short_dir / "watchdogd.toml"
+    config.write_text(
+        f"""
+[[groups]]
+name = "sleepy"
+entrypoint = ["{sys.executable}", "-c", "import time; time.sleep(600)"]
+nproc = 2
+"""
+    )
+    sock = short_dir / "watchdogd.sock"
+
+    def groups() -> list[dict[str, Any]]:
+        return json.loads(ctl(sock, "groups", "--json").stdout)
+
+    with serve(short_dir, "--config", str(config)):
+        wait_until(lambda: len(groups()[0]["workers"]) == 2)
+        (group,) = groups()
+        assert (group["name"], group["state"], group["attempt"]) == ("sleepy", "HEALTHY", 0)
+        assert "sleepy" in ctl(sock, "groups").stdout
+
+        spec = short_dir / "quick.toml"
+        spec.write_text('name = "quick"\nentrypoint = ["true"]\nnproc = 2\n')
+        out = ctl(sock, "submit", str(spec))
+        assert out.returncode == 0 and "quick" in out.stdout
+        wait_until(
+            lambda: (
+                {g["name"]: g["state"] for g in json.loads(ctl(sock, "groups", "--json").stdout)}
+                == {"sleepy": "HEALTHY", "quick": "SUCCEEDED"}
+            )
+        )
+
+        spec.write_text('name = "bad"\nentrypoint = ["true"]\nnproc = 0\n')
+        out = ctl(sock, "submit", str(spec))
+        assert out.returncode == 2 and "nproc" in out.stderr
+
+        assert ctl(sock, "restart", "sleepy").returncode == 0
+        wait_until(lambda: json.loads(ctl(sock, "groups", "--json").stdout)[0]["attempt"] == 1)
+        assert ctl(sock, "stop", "sleepy").returncode == 0
+        wait_until(
+            lambda: json.loads(ctl(sock, "groups", "--json").stdout)[0]["state"] == "STOPPED"
+        )
+        out = ctl(sock, "stop", "nope")
+        assert out.returncode == 1 and "no group named 'nope'" in out.stderr

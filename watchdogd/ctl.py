@@ -2,7 +2,7 @@
 
 Each subcommand prints a table for people, or with ``--json`` the reply as
 JSON for scripts. Exit status: 0 answered, 1 the daemon refused the request,
-3 the daemon is not reachable.
+2 bad usage (an unreadable or invalid spec file), 3 the daemon is not reachable.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 from tabulate import tabulate
@@ -23,11 +24,13 @@ from watchdogd_client import (
     default_socket_path,
 )
 from watchdogd_client import protocol as p
+from watchdogd_client.groups import GroupSpec
 
 __all__ = ["main"]
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
+EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
 
@@ -77,7 +80,68 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
     print(tabulate(rows, tablefmt="plain"))
 
 
-COMMANDS = {"timers": cmd_timers, "status": cmd_status}
+def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """List worker groups: state, attempt, restarts left, workers, last failure."""
+    groups = client.list_groups()
+    if args.json:
+        _print_json([msgspec.structs.asdict(g) for g in groups])
+        return
+    if not groups:
+        print("no worker groups")
+        return
+    rows = []
+    for group in groups:
+        workers = " ".join(
+            f"{w.local_rank}:{w.pid}" for w in sorted(group.workers, key=lambda w: w.local_rank)
+        )
+        failure = group.last_failure
+        rows.append(
+            (
+                group.name,
+                group.state.value,
+                group.attempt,
+                group.restarts_left,
+                workers,
+                f"rank {failure.rank}: {failure.reason}" if failure else "",
+            )
+        )
+    headers = ["GROUP", "STATE", "ATTEMPT", "RESTARTS LEFT", "RANK:PID", "LAST FAILURE"]
+    print(tabulate(rows, headers=headers))
+
+
+def cmd_submit(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """Start the worker group described by a TOML spec file."""
+    try:
+        spec = msgspec.toml.decode(Path(args.spec).read_bytes(), type=GroupSpec)
+    except OSError as e:
+        raise UsageError(f"cannot read {args.spec}: {e.strerror}") from None
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise UsageError(f"{args.spec}: {e}") from None
+    print(client.submit_group(spec))
+
+
+def cmd_stop(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """Stop a group's workers (SIGTERM, then SIGKILL after its shutdown_timeout)."""
+    print(client.stop_group(args.name))
+
+
+def cmd_restart(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """Restart a group's workers now, without spending one of its restarts."""
+    print(client.restart_group(args.name))
+
+
+class UsageError(Exception):
+    pass
+
+
+COMMANDS = {
+    "timers": cmd_timers,
+    "status": cmd_status,
+    "groups": cmd_groups,
+    "submit": cmd_submit,
+    "stop": cmd_stop,
+    "restart": cmd_restart,
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,9 +155,15 @@ def _parser() -> argparse.ArgumentParser:
         help="the daemon's socket (default: $WATCHDOGD_SOCKET, else %(default)s)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, handler in COMMANDS.items():
-        sub = commands.add_parser(name, help=handler.__doc__, description=handler.__doc__)
-        sub.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    subs = {
+        name: commands.add_parser(name, help=handler.__doc__, description=handler.__doc__)
+        for name, handler in COMMANDS.items()
+    }
+    for name in ("timers", "status", "groups"):
+        subs[name].add_argument("--json", action="store_true", help="print JSON, not a table")
+    subs["submit"].add_argument("spec", metavar="SPEC.toml", help="a group spec (see README)")
+    for name in ("stop", "restart"):
+        subs[name].add_argument("name", metavar="NAME", help="the group's name")
     return parser
 
 
@@ -108,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RequestError as e:
         print(f"watchdogctl: {e}", file=sys.stderr)
         return EXIT_REFUSED
+    except UsageError as e:
+        print(f"watchdogctl: {e}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
 
 
