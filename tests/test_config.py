@@ -54,3 +54,11 @@ def test_flags_override_only_what_they_give(tmp_path: Path) -> None:
     assert str(config.socket_path()) == "/flag.sock"
     assert str(config.fifo_path()) == "/file.fifo"
     assert config.runtime_dir == "/from/file"
+
+
+def test_the_example_group_spec_decodes() -> None:
+    import msgspec
+    from watchdogd_client.groups import GroupSpec
+
+    spec = msgspec.toml.decode((REPO / "examples/group.toml").read_bytes(), type=GroupSpec)
+    assert (spec.name, spec.nproc, spec.max_restarts) == ("toy", 2, 3)
