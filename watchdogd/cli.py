@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -90,7 +91,15 @@ async def _until_signalled() -> None:
             return
 
 
+def _raise_open_file_limit() -> None:
+    # One pidfd per process with timers, one per worker: use what we may.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def _serve(config: Config) -> int:
+    _raise_open_file_limit()
     daemon = Daemon(config)
 
     async def run() -> None:

@@ -10,6 +10,7 @@ the daemon drops an exited process's timers without polling.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import signal as _signal
@@ -94,8 +95,12 @@ def open_process(pid: int) -> ProcessHandle:
         raise ProcessLookupError(pid)
     try:
         pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
     except OSError as e:
-        raise ProcessLookupError(pid) from e
+        if e.errno in (errno.ESRCH, errno.EINVAL):
+            raise ProcessLookupError(pid) from e
+        raise  # EMFILE and the like: a resource problem, not a missing process
     try:
         stat = read_stat(pid)
         uid = _read_uid(pid)

@@ -244,8 +244,8 @@ class Daemon:
                 handle = open_process(pid)
             except ProcessLookupError:
                 return "no_such_process", f"no process with pid {pid}"
-            except PermissionError as e:
-                return "refused", f"cannot open pid {pid}: {e.strerror}"
+            except OSError as e:
+                return "refused", f"cannot watch pid {pid}: {e.strerror}"
         refusal = check(
             self._policy,
             requester,
@@ -377,6 +377,12 @@ class Daemon:
                 self._fifo_line(line)
 
     def _fifo_line(self, line: bytes) -> None:
+        try:
+            self._serve_fifo_line(line)
+        except Exception:
+            log.exception("internal error serving a FIFO line: %r", line[:200])
+
+    def _serve_fifo_line(self, line: bytes) -> None:
         if line is OVERSIZED:
             self._bad_input("fifo", f"line longer than max_line ({self.limits.max_line})", b"")
             return
@@ -517,6 +523,14 @@ class Daemon:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._bad_input("socket", str(e), payload[:64])
             return p.Error(seq, "bad_request", str(e))
+        try:
+            return self._dispatch(seq, peer, request)
+        except Exception as e:
+            # A bug must cost one request, never the daemon and its timers.
+            log.exception("internal error serving %s from pid %d", type(request).__name__, peer.pid)
+            return p.Error(seq, "internal", f"{type(e).__name__}: {e}")
+
+    def _dispatch(self, seq: int, peer: _Peer, request: p.Request) -> p.Reply | None:
         if not peer.greeted:
             if not isinstance(request, p.Hello):
                 return p.Error(seq, "hello_required", "send hello before any other request")
