@@ -53,7 +53,8 @@ def test_success_exits_zero(tmp_path: Path) -> None:
 def test_crash_restarts_up_to_max_restarts_then_fails(tmp_path: Path) -> None:
     out = run("--nproc_per_node=2", "--max_restarts=2", TRAINER, "--crash-at", "1")
     assert out.returncode == 1
-    assert out.stdout.count("crashing at step 1") == 6  # 2 ranks x 3 attempts
+    # Each attempt ends at its first crash; the other rank may be stopped before its own.
+    assert 3 <= out.stdout.count("crashing at step 1") <= 6
     assert "FAILED after 3 attempt(s), 2 restart(s)" in out.stderr
     assert "exited with status 1" in out.stderr
 

@@ -64,6 +64,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     fifo_mode: FileMode = 0o620
     group: str | None = "watchdogd"
     """Group owning the socket and FIFO; if no such group exists, the daemon's own."""
+    state_dir: str | None = None
+    """Where the timer snapshot lives; default ``$STATE_DIRECTORY`` (systemd), else runtime_dir."""
+    snapshot_interval: Annotated[float, msgspec.Meta(ge=0.01)] = 0.5
+    """Most often the snapshot is rewritten (seconds); it is written only after changes."""
     event_log: str | None = None
     """Append every event as one JSON line to this file."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -85,6 +89,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def fifo_path(self) -> Path:
         return Path(self.fifo) if self.fifo else self.runtime_path() / FIFO_NAME
+
+    def state_path(self) -> Path:
+        if self.state_dir:
+            return Path(self.state_dir)
+        systemd_state = os.environ.get("STATE_DIRECTORY")
+        if systemd_state:
+            return Path(systemd_state.split(":")[0])
+        return self.socket_path().parent
 
 
 def _explain(error: msgspec.ValidationError | msgspec.DecodeError) -> str:

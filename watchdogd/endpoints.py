@@ -20,7 +20,15 @@ import socket
 import stat
 from pathlib import Path
 
-__all__ = ["EndpointError", "Lock", "group_id", "open_fifo", "open_socket", "prepare_dir"]
+__all__ = [
+    "EndpointError",
+    "Lock",
+    "enlarge_pipe",
+    "group_id",
+    "open_fifo",
+    "open_socket",
+    "prepare_dir",
+]
 
 _PIPE_MAX_SIZE = Path("/proc/sys/fs/pipe-max-size")
 
@@ -129,11 +137,11 @@ def open_fifo(path: Path, mode: int = 0o620, gid: int = -1, pipe_size: int = 1 <
     # Through the descriptor: whatever the path holds now, we change what we opened.
     os.fchown(fd, -1, gid)
     os.fchmod(fd, mode)
-    _enlarge_pipe(fd, pipe_size)
+    enlarge_pipe(fd, pipe_size)
     return fd
 
 
-def _enlarge_pipe(fd: int, size: int) -> None:
+def enlarge_pipe(fd: int, size: int) -> None:
     try:
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
     except PermissionError:

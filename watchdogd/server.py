@@ -22,6 +22,7 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Literal
 
 import anyio
@@ -34,11 +35,28 @@ from watchdogd_client.events import Event, EventSource, record, register_handler
 
 from . import __version__, _aio
 from .config import Config
-from .endpoints import EndpointError, Lock, group_id, open_fifo, open_socket, prepare_dir
+from .endpoints import (
+    EndpointError,
+    Lock,
+    enlarge_pipe,
+    group_id,
+    open_fifo,
+    open_socket,
+    prepare_dir,
+)
 from .framing import OVERSIZED, FrameSplitter, FrameTooLargeError, LineSplitter
 from .policy import Policy, Requester, Target, check, valid_signals
 from .procs import ProcessHandle, ancestors, open_process, supplementary_groups
+from .snapshot import (
+    FORMAT_VERSION,
+    SNAPSHOT_NAME,
+    Snapshot,
+    SnapshotTimer,
+    read_snapshot,
+    write_snapshot,
+)
 from .supervisor import GroupError, Supervisor
+from .systemd import Notifier, is_fifo, is_listening_unix_socket, listen_fds
 from .timers import Timer, TimerTable
 
 __all__ = ["Daemon", "EndpointError"]
@@ -93,6 +111,10 @@ class Daemon:
         self.connections = 0
         self.started_at = time.monotonic()
         self.supervisor = Supervisor(self)
+        self.notifier = Notifier()
+        self.snapshot_path = config.state_path() / SNAPSHOT_NAME
+        self._dirty = anyio.Event()
+        self._activated = False
         # Worker pids this daemon launched (pid -> group): FIFO requests may target them.
         self.supervised: dict[int, str] = {}
         # The scope whose expiry signalled a worker, for its group's failure report.
@@ -145,42 +167,208 @@ class Daemon:
         endpoint cannot be created or another daemon owns it.
         """
         with contextlib.ExitStack() as cleanup:
-            for path in {self.socket_path.parent, self.fifo_path.parent}:
-                prepare_dir(path)
-            cleanup.callback(Lock(self.socket_path).release)
-            cleanup.callback(Lock(self.fifo_path).release)
-            gid = group_id(self.config.group)
-            raw_socket = open_socket(self.socket_path, self.config.socket_mode, gid)
-            cleanup.callback(self._unlink_socket)
-            cleanup.callback(raw_socket.close)
+            raw_socket, fifo_fd = self._open_endpoints(cleanup)
             listener = await anyio.abc.SocketListener.from_socket(raw_socket)
-            fifo_fd = open_fifo(
-                self.fifo_path, self.config.fifo_mode, gid, self.limits.fifo_pipe_size
-            )
-            cleanup.callback(os.close, fifo_fd)
             cleanup.callback(self._close_processes)
+            self._restore_snapshot()
             async with anyio.create_task_group() as tg, listener:
                 _aio.watch_readable(fifo_fd, lambda: self._on_fifo_readable(fifo_fd))
                 cleanup.callback(_aio.unwatch, fifo_fd)
                 tg.start_soon(self._expiry_loop)
                 tg.start_soon(listener.serve, self._serve_connection, tg)
+                tg.start_soon(self._snapshot_loop)
+                tg.start_soon(self._notify_loop)
                 self.supervisor.attach(tg)
                 self.emit(
                     "daemon_started",
                     version=__version__,
                     socket=str(self.socket_path),
                     fifo=str(self.fifo_path),
+                    activated=self._activated,
+                    restored=len(self.table),
                 )
                 for spec in self.config.groups:
                     self.supervisor.submit(spec)
                 task_status.started(self)
+                self.notifier.notify("READY=1", self._status_line())
                 if shutdown_trigger is None:
                     await anyio.sleep_forever()
                 else:
                     await shutdown_trigger()
+                self.notifier.notify("STOPPING=1")
                 self.emit("daemon_stopping", timers=len(self.table))
                 await self.supervisor.stop_all()
                 tg.cancel_scope.cancel()
+            self._write_snapshot()
+
+    def _open_endpoints(self, cleanup: contextlib.ExitStack) -> tuple[socket.socket, int]:
+        """Adopt the endpoints systemd passed, or create them; both locked against a twin."""
+        raw_socket: socket.socket | None = None
+        fifo_fd: int | None = None
+        for fd in listen_fds():
+            if raw_socket is None and is_listening_unix_socket(fd):
+                raw_socket = socket.socket(fileno=fd)
+                raw_socket.setblocking(False)
+                self.socket_path = Path(raw_socket.getsockname())
+            elif fifo_fd is None and is_fifo(fd):
+                fifo_fd = fd
+                os.set_blocking(fd, False)
+                enlarge_pipe(fd, self.limits.fifo_pipe_size)
+                with contextlib.suppress(OSError):
+                    self.fifo_path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+            else:
+                os.close(fd)
+        self._activated = raw_socket is not None or fifo_fd is not None
+        if raw_socket is None or fifo_fd is None:
+            for path in {self.socket_path.parent, self.fifo_path.parent}:
+                prepare_dir(path)
+        cleanup.callback(Lock(self.socket_path).release)
+        cleanup.callback(Lock(self.fifo_path).release)
+        gid = group_id(self.config.group)
+        if raw_socket is None:
+            raw_socket = open_socket(self.socket_path, self.config.socket_mode, gid)
+            # Only a socket we created is ours to remove; systemd keeps its own.
+            cleanup.callback(self._unlink_socket)
+        cleanup.callback(raw_socket.close)
+        if fifo_fd is None:
+            fifo_fd = open_fifo(
+                self.fifo_path, self.config.fifo_mode, gid, self.limits.fifo_pipe_size
+            )
+        cleanup.callback(os.close, fifo_fd)
+        return raw_socket, fifo_fd
+
+    # -- persistence and systemd -----------------------------------------------
+
+    def _mark_dirty(self) -> None:
+        if not self._dirty.is_set():
+            self._dirty.set()
+
+    async def _snapshot_loop(self) -> None:
+        """Write the snapshot after changes, at most once per ``snapshot_interval``."""
+        while True:
+            await self._dirty.wait()
+            self._dirty = anyio.Event()
+            snapshot = self._snapshot()
+            await anyio.to_thread.run_sync(write_snapshot, self.snapshot_path, snapshot)
+            await anyio.sleep(self.config.snapshot_interval)
+
+    def _snapshot(self) -> Snapshot:
+        now, wall = time.monotonic(), time.time()
+        processes = self.processes
+        return Snapshot(
+            FORMAT_VERSION,
+            wall,
+            [
+                SnapshotTimer(
+                    t.pid,
+                    processes[t.pid].start_time,
+                    t.scope_id,
+                    wall + (t.deadline - now),
+                    t.signal,
+                    t.source,
+                    t.uid,
+                )
+                for t in self.table
+                if t.pid in processes
+            ],
+        )
+
+    def _write_snapshot(self) -> None:
+        try:
+            write_snapshot(self.snapshot_path, self._snapshot())
+        except OSError as e:
+            log.error("cannot write snapshot %s: %s", self.snapshot_path, e.strerror)
+
+    def _restore_snapshot(self) -> None:
+        """Re-arm the timers of the last run whose processes are still the same ones."""
+        snapshot = read_snapshot(self.snapshot_path)
+        if snapshot is None:
+            return
+        now, wall = time.monotonic(), time.time()
+        gone = 0
+        for saved in snapshot.timers:
+            handle = self.processes.get(saved.pid)
+            if handle is None:
+                try:
+                    handle = open_process(saved.pid)
+                except (ProcessLookupError, OSError):
+                    gone += 1
+                    continue
+                if handle.start_time != saved.start_time:
+                    handle.close()  # the pid now names another process
+                    gone += 1
+                    continue
+                self._watch_process(handle)
+            deadline = now + (saved.expiration_time - wall)
+            self.table.arm(
+                saved.pid, saved.scope_id, deadline, saved.signal, saved.source, saved.uid
+            )
+        self.counts["dropped"] += gone
+        self._mark_dirty()
+        self.emit(
+            "snapshot_restored",
+            path=str(self.snapshot_path),
+            timers=len(self.table),
+            dropped=gone,
+            age_s=round(wall - snapshot.written_at, 3),
+        )
+
+    async def _notify_loop(self) -> None:
+        """Tell systemd we are alive (from the event loop itself) and how busy we are."""
+        interval = self.notifier.watchdog_interval
+        if not self.notifier.enabled:
+            return
+        while True:
+            await anyio.sleep(interval if interval is not None else 5.0)
+            lines = [self._status_line()]
+            if interval is not None:
+                lines.append("WATCHDOG=1")
+            self.notifier.notify(*lines)
+
+    def _status_line(self) -> str:
+        groups = sum(1 for r in self.supervisor.groups.values() if not r.finished.is_set())
+        return (
+            f"STATUS={len(self.table)} timers, {len(self.processes)} processes, "
+            f"{self.connections} connections, {groups} groups"
+        )
+
+    def reload(self, config: Config) -> None:
+        """Apply a changed config: limits, policy, groups. Timers are untouched."""
+        self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        moved = [
+            name
+            for name, old, new in (
+                ("socket", self.config.socket_path(), config.socket_path()),
+                ("fifo", self.config.fifo_path(), config.fifo_path()),
+            )
+            if old != new
+        ]
+        if moved:
+            log.warning("%s path changes take effect on restart, not reload", " and ".join(moved))
+        old_groups = {g.name for g in self.config.groups}
+        new_groups = {g.name: g for g in config.groups}
+        self.config = config
+        self.limits = config.limits
+        self._fifo_splitter.max_line = config.limits.max_line
+        self._policy = self._build_policy()
+        self._admin_gid = self._lookup_admin_gid()
+        for name in old_groups - new_groups.keys():
+            with contextlib.suppress(GroupError):
+                self.supervisor.get(name).stop()
+        started = []
+        for name, spec in new_groups.items():
+            if name not in old_groups:
+                try:
+                    self.supervisor.submit(spec)
+                    started.append(name)
+                except GroupError as e:
+                    log.error("reload: %s", e)
+        self.emit(
+            "config_reloaded",
+            groups_started=",".join(started),
+            groups_stopped=",".join(sorted(old_groups - new_groups.keys())),
+        )
+        self.notifier.notify("READY=1", self._status_line())
 
     def _unlink_socket(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -262,6 +450,7 @@ class Daemon:
         source: Literal["fifo", "socket"] = requester.via
         if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid):
             self._wake.set()
+        self._mark_dirty()
         return None
 
     def release(self, requester: Requester, pid: int, scope_id: str) -> ErrorReply | None:
@@ -272,6 +461,7 @@ class Daemon:
         if refusal is not None:
             return refusal
         self.table.release(pid, scope_id)
+        self._mark_dirty()
         return None
 
     def release_all(self, requester: Requester, pid: int) -> ErrorReply | None:
@@ -281,6 +471,7 @@ class Daemon:
         if refusal is not None:
             return refusal
         self.table.release_pid(pid)
+        self._mark_dirty()
         return None
 
     def _check_existing(self, requester: Requester, pid: int) -> ErrorReply | None:
@@ -303,6 +494,7 @@ class Daemon:
             del self.processes[handle.pid]
         dropped = self.table.release_pid(handle.pid)
         if dropped:
+            self._mark_dirty()
             self.counts["dropped"] += len(dropped)
             self.emit(
                 "timers_dropped",
@@ -329,6 +521,7 @@ class Daemon:
 
     def _expire(self, now: float) -> None:
         signalled: set[int] = set()
+        self._mark_dirty()
         for timer in self.table.pop_expired(now):
             self.counts["expired"] += 1
             if timer.signal <= 0 or timer.pid in signalled:
