@@ -32,6 +32,8 @@ from .server import Daemon
 
 __all__ = ["main"]
 
+log = logging.getLogger("watchdogd")
+
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_ENDPOINT = 3
@@ -85,10 +87,20 @@ def build_config(args: argparse.Namespace) -> Config:
     return msgspec.structs.replace(config, **given)
 
 
-async def _until_signalled() -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            return
+async def _until_stopped(daemon: Daemon, args: argparse.Namespace) -> None:
+    """Signals are commands: SIGHUP reloads the config, SIGTERM and SIGINT stop.
+
+    Once stopping, a second SIGINT finds Python's own handler back and
+    interrupts the graceful shutdown.
+    """
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            if signum != signal.SIGHUP:
+                return
+            try:
+                daemon.reload(build_config(args))
+            except ConfigError as e:
+                log.error("reload refused, the running config stays: %s", e)
 
 
 def _raise_open_file_limit() -> None:
@@ -98,13 +110,15 @@ def _raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _serve(config: Config) -> int:
+def _serve(config: Config, args: argparse.Namespace) -> int:
     _raise_open_file_limit()
     daemon = Daemon(config)
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:
-            await tg.start(partial(daemon.serve, shutdown_trigger=_until_signalled))
+            await tg.start(
+                partial(daemon.serve, shutdown_trigger=partial(_until_stopped, daemon, args))
+            )
             print(
                 f"watchdogd {__version__} (pid {os.getpid()}) serving\n"
                 f"  socket: {daemon.socket_path}   (WATCHDOGD_SOCKET)\n"
@@ -146,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
-        return _serve(config)
+        return _serve(config, args)
     except* EndpointError as group:
         for error in group.exceptions:
             print(f"watchdogd: {error}", file=sys.stderr)
