@@ -71,6 +71,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     event_log: str | None = None
     """Append every event as one JSON line to this file."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+    """``text``: ``name key=value …`` lines; ``json``: each event as one JSON object."""
+    event_ring_size: PositiveInt = 10_000
+    """Recent events kept for ``watchdogctl events``."""
     limits: Limits = msgspec.field(default_factory=Limits)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     groups: list[GroupSpec] = []

@@ -11,7 +11,9 @@ import argparse
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
 import msgspec
@@ -24,6 +26,7 @@ from watchdogd_client import (
     default_socket_path,
 )
 from watchdogd_client import protocol as p
+from watchdogd_client.events import Event
 from watchdogd_client.groups import GroupSpec
 
 __all__ = ["main"]
@@ -130,6 +133,39 @@ def cmd_restart(client: SocketTimerClient, args: argparse.Namespace) -> None:
     print(client.restart_group(args.name))
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _since_ms(text: str | None) -> int | None:
+    """``30s``/``5m``/``2h``/``1d`` ago, or seconds since the epoch."""
+    if text is None:
+        return None
+    try:
+        if text[-1:] in _UNITS:
+            return int((time.time() - float(text[:-1]) * _UNITS[text[-1]]) * 1000)
+        return int(float(text) * 1000)
+    except ValueError:
+        raise UsageError(f"--since {text!r}: expected 30s, 5m, 2h, 1d or epoch seconds") from None
+
+
+def _format_event(event: Event) -> str:
+    when = datetime.fromtimestamp(event.timestamp / 1000).isoformat(timespec="milliseconds")
+    fields = " ".join(f"{key}={value!r}" for key, value in event.metadata.items())
+    return f"{when} {event.name} {fields}"
+
+
+def cmd_events(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """Show recent events; with --follow, keep printing them as they happen."""
+    try:
+        for batch in client.events(_since_ms(args.since), args.limit, args.follow):
+            if batch.dropped:
+                print(f"... {batch.dropped} events dropped: reading too slowly", file=sys.stderr)
+            for event in batch.events:
+                print(event.serialize() if args.json else _format_event(event), flush=True)
+    except KeyboardInterrupt:
+        pass
+
+
 class UsageError(Exception):
     pass
 
@@ -138,6 +174,7 @@ COMMANDS = {
     "timers": cmd_timers,
     "status": cmd_status,
     "groups": cmd_groups,
+    "events": cmd_events,
     "submit": cmd_submit,
     "stop": cmd_stop,
     "restart": cmd_restart,
@@ -159,8 +196,11 @@ def _parser() -> argparse.ArgumentParser:
         name: commands.add_parser(name, help=handler.__doc__, description=handler.__doc__)
         for name, handler in COMMANDS.items()
     }
-    for name in ("timers", "status", "groups"):
+    for name in ("timers", "status", "groups", "events"):
         subs[name].add_argument("--json", action="store_true", help="print JSON, not a table")
+    subs["events"].add_argument("--since", metavar="T", help="30s, 5m, 2h, 1d ago, or epoch secs")
+    subs["events"].add_argument("--limit", type=int, metavar="N", help="at most the last N")
+    subs["events"].add_argument("--follow", "-f", action="store_true", help="keep printing")
     subs["submit"].add_argument("spec", metavar="SPEC.toml", help="a group spec (see README)")
     for name in ("stop", "restart"):
         subs[name].add_argument("name", metavar="NAME", help="the group's name")

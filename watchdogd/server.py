@@ -44,6 +44,7 @@ from .endpoints import (
     open_socket,
     prepare_dir,
 )
+from .eventlog import EventLog
 from .framing import OVERSIZED, FrameSplitter, FrameTooLargeError, LineSplitter
 from .policy import Policy, Requester, Target, check, valid_signals
 from .procs import ProcessHandle, ancestors, open_process, supplementary_groups
@@ -93,6 +94,15 @@ class _Peer:
 
 
 _FIFO_REQUESTER = Requester("fifo")
+
+
+class _Follow(msgspec.Struct, frozen=True):
+    """Not a reply: the connection turns into a stream of events."""
+
+    request: p.GetEvents
+    seq: int
+
+
 _REQUEST_COUNTER = {kind: f"socket.{kind.__struct_config__.tag}" for kind in p.Request.__args__}
 
 
@@ -111,6 +121,7 @@ class Daemon:
         self.connections = 0
         self.started_at = time.monotonic()
         self.supervisor = Supervisor(self)
+        self.events = EventLog(config.event_ring_size)
         self.notifier = Notifier()
         self.snapshot_path = config.state_path() / SNAPSHOT_NAME
         self._dirty = anyio.Event()
@@ -392,9 +403,13 @@ class Daemon:
     ) -> None:
         """:meth:`emit`, logged at ``level``."""
         event = Event(name, EventSource.AGENT, time.time_ns() // 1_000_000, metadata)
+        self.events.append(event)
         if log.isEnabledFor(level):
-            fields = " ".join(f"{key}={value!r}" for key, value in metadata.items())
-            log.log(level, "%s %s", name, fields)
+            if self.config.log_format == "json":
+                log.log(level, "%s", event.serialize())
+            else:
+                fields = " ".join(f"{key}={value!r}" for key, value in metadata.items())
+                log.log(level, "%s %s", name, fields)
         record(event, self._event_destination)
 
     # -- the timer operations, shared by both transports -------------------------
@@ -687,6 +702,10 @@ class Daemon:
                         reply = self._handle_frame(peer, payload)
                         if reply is None:
                             continue
+                        if isinstance(reply, _Follow):
+                            await flush()
+                            await self._stream_events(stream, reply)
+                            return
                         encoded = self._encode(reply)
                         outbox.append(encoded)
                         pending += len(encoded)
@@ -704,11 +723,25 @@ class Daemon:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             return
 
+    async def _stream_events(self, stream: anyio.abc.SocketStream, follow: _Follow) -> None:
+        since, limit = follow.request.since_ms, follow.request.limit
+        with self.events.follow(since, limit) as (backlog, follower):
+            await stream.send(self._encode(p.EventBatch(follow.seq, backlog)))
+            async for event in follower.receive:
+                batch = [event]
+                while len(batch) < 256:
+                    try:
+                        batch.append(follower.receive.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                reply = p.EventBatch(follow.seq, batch, follower.take_dropped())
+                await stream.send(self._encode(reply))
+
     @staticmethod
     def _encode(reply: p.Reply) -> bytes:
         return p.frame(_reply_encoder.encode(reply))
 
-    def _handle_frame(self, peer: _Peer, payload: bytes) -> p.Reply | None:
+    def _handle_frame(self, peer: _Peer, payload: bytes) -> p.Reply | _Follow | None:
         seq = peer.seq
         peer.seq += 1
         try:
@@ -723,7 +756,7 @@ class Daemon:
             log.exception("internal error serving %s from pid %d", type(request).__name__, peer.pid)
             return p.Error(seq, "internal", f"{type(e).__name__}: {e}")
 
-    def _dispatch(self, seq: int, peer: _Peer, request: p.Request) -> p.Reply | None:
+    def _dispatch(self, seq: int, peer: _Peer, request: p.Request) -> p.Reply | _Follow | None:
         if not peer.greeted:
             if not isinstance(request, p.Hello):
                 return p.Error(seq, "hello_required", "send hello before any other request")
@@ -756,6 +789,10 @@ class Daemon:
                 )
             case p.GetStatus():
                 return self.status(seq)
+            case p.GetEvents(since_ms=since_ms, limit=limit, follow=follow):
+                if follow:
+                    return _Follow(request, seq)
+                return p.EventBatch(seq, self.events.since(since_ms, limit))
             case p.ListGroups():
                 return p.GroupList(seq, [r.info() for r in self.supervisor.groups.values()])
             case p.SubmitGroup() | p.StopGroup() | p.RestartGroup():

@@ -18,6 +18,7 @@ import select
 import signal as _signal
 import socket
 import weakref
+from collections.abc import Iterator
 from typing import TypeVar
 
 import msgspec
@@ -113,6 +114,26 @@ class SocketTimerClient(TimerClient):
 
     def status(self) -> p.StatusInfo:
         return self.request(p.GetStatus(), p.StatusInfo)
+
+    def events(
+        self, since_ms: int | None = None, limit: int | None = None, follow: bool = False
+    ) -> Iterator[p.EventBatch]:
+        """Recent events; with ``follow``, keep yielding batches as they happen.
+
+        A following connection carries nothing else: use a client of its own.
+        """
+        first = self.request(
+            p.GetEvents(since_ms=since_ms, limit=limit, follow=follow), p.EventBatch
+        )
+        yield first
+        if not follow:
+            return
+        sock = self._connected()
+        sock.settimeout(None)  # events come when they happen
+        while True:
+            reply = self._next_reply(sock)
+            if isinstance(reply, p.EventBatch) and reply.seq == first.seq:
+                yield reply
 
     def list_groups(self) -> list[GroupInfo]:
         return self.request(p.ListGroups(), p.GroupList).groups

@@ -6,14 +6,20 @@ order, enums as their names), so tools that read torch's event logs read ours.
 
 ``record(event, destination)`` sends an event to a named destination, each a
 :mod:`logging` logger with its own handler: ``null`` (the default; returns
-before serializing anything), ``console`` (stderr), or any name registered
-with :func:`register_handler` (the daemon registers its JSON-lines file).
+before serializing anything), ``console`` (stderr), ``dynamic_rendezvous``
+(null until registered, as in torch), or any name registered with
+:func:`register_handler` — :func:`jsonl_file_handler` makes a rotated
+JSON-lines file.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import logging.handlers
+import os
+import socket
+import sys
 import threading
 
 import msgspec
@@ -24,8 +30,11 @@ __all__ = [
     "EventSource",
     "NodeState",
     "RdzvEvent",
+    "construct_and_record_rdzv_event",
     "get_logging_handler",
+    "jsonl_file_handler",
     "record",
+    "record_rdzv_event",
     "register_handler",
 ]
 
@@ -112,13 +121,25 @@ def register_handler(destination: str, handler: logging.Handler) -> None:
         _loggers.pop(destination, None)
 
 
+def jsonl_file_handler(
+    path: str | os.PathLike[str], max_bytes: int = 64 << 20, backups: int = 5
+) -> logging.Handler:
+    """A handler writing one event per line to ``path``, rotated at ``max_bytes``."""
+    handler = logging.handlers.RotatingFileHandler(
+        path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8"
+    )
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    return handler
+
+
 def get_logging_handler(destination: str = "null") -> logging.Handler:
     """The handler behind ``destination``: ``null``, ``console`` or a registered one."""
-    if destination == "null":
+    registered_first = _handler_factories.get(destination)
+    if registered_first is None and destination in ("null", "dynamic_rendezvous"):
         return logging.NullHandler()
     if destination == "console":
         return logging.StreamHandler()
-    registered = _handler_factories.get(destination)
+    registered = registered_first
     if registered is None:
         raise ValueError(
             f"unknown event destination {destination!r}: use 'null', 'console' or a name "
@@ -146,3 +167,44 @@ def record(event: Event | RdzvEvent, destination: str = "null") -> None:
     if destination == "null":
         return
     _logger_for(destination).info(event.serialize())
+
+
+def record_rdzv_event(event: RdzvEvent) -> None:
+    """Record a rendezvous event to the ``dynamic_rendezvous`` destination (torch's name)."""
+    if "dynamic_rendezvous" in _handler_factories:
+        _logger_for("dynamic_rendezvous").info(event.serialize())
+
+
+def construct_and_record_rdzv_event(
+    run_id: str,
+    message: str,
+    node_state: NodeState,
+    name: str = "",
+    hostname: str = "",
+    pid: int | None = None,
+    master_endpoint: str = "",
+    local_id: int | None = None,
+    rank: int | None = None,
+) -> None:
+    """Build and record a :class:`RdzvEvent` — nothing at all while its destination is null.
+
+    ``name`` defaults to the calling function's name, read from its frame
+    (torch walks ``inspect.stack()`` for it).
+    """
+    if "dynamic_rendezvous" not in _handler_factories:
+        return
+    if not name:
+        name = sys._getframe(1).f_code.co_name
+    record_rdzv_event(
+        RdzvEvent(
+            name=name,
+            run_id=run_id,
+            message=message,
+            hostname=hostname or socket.getfqdn(),
+            pid=pid or os.getpid(),
+            node_state=node_state,
+            master_endpoint=master_endpoint,
+            rank=rank,
+            local_id=local_id,
+        )
+    )

@@ -31,6 +31,7 @@ from typing import Final, Literal
 
 import msgspec
 
+from .events import Event
 from .groups import GroupInfo, GroupSpec
 
 __all__ = [
@@ -40,7 +41,9 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Acquire",
     "Error",
+    "EventBatch",
     "FileTimerRequest",
+    "GetEvents",
     "GetStatus",
     "GroupList",
     "Hello",
@@ -146,6 +149,19 @@ class GetStatus(msgspec.Struct, tag="status", tag_field="op"):
     """Answered with :class:`StatusInfo`."""
 
 
+class GetEvents(msgspec.Struct, tag="events", tag_field="op", kw_only=True):
+    """Recent events (at or after ``since_ms``, at most ``limit``) as :class:`EventBatch`.
+
+    With ``follow``, more batches with the same ``seq`` keep coming as events
+    happen, until either side closes the connection; ``dropped`` counts the
+    events a slow reader missed.
+    """
+
+    since_ms: int | None = None
+    limit: int | None = None
+    follow: bool = False
+
+
 class ListGroups(msgspec.Struct, tag="list_groups", tag_field="op"):
     """Answered with :class:`GroupList`."""
 
@@ -176,6 +192,7 @@ Request = (
     | Sync
     | ListTimers
     | GetStatus
+    | GetEvents
     | ListGroups
     | SubmitGroup
     | StopGroup
@@ -235,6 +252,12 @@ class StatusInfo(msgspec.Struct, tag="status_info", tag_field="op", kw_only=True
     bad_input: int
 
 
+class EventBatch(msgspec.Struct, tag="event_batch", tag_field="op"):
+    seq: int
+    events: list[Event]
+    dropped: int = 0
+
+
 class GroupList(msgspec.Struct, tag="group_list", tag_field="op"):
     seq: int
     groups: list[GroupInfo]
@@ -253,7 +276,7 @@ class Error(msgspec.Struct, tag="error", tag_field="op"):
     message: str
 
 
-Reply = Welcome | Synced | TimerList | StatusInfo | GroupList | Ok | Error
+Reply = Welcome | Synced | TimerList | StatusInfo | EventBatch | GroupList | Ok | Error
 
 
 def frame(payload: bytes) -> bytes:
