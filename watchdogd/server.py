@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import socket
-import struct
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -27,14 +26,13 @@ from typing import Literal
 
 import anyio
 import anyio.abc
-import msgspec
-from anyio.abc import SocketAttribute
 
 from watchdogd_client import protocol as p
 from watchdogd_client.events import Event, EventSource, record, register_handler
 
 from . import __version__, _aio
 from .config import Config
+from .connections import SocketFront
 from .endpoints import (
     EndpointError,
     Lock,
@@ -45,9 +43,9 @@ from .endpoints import (
     prepare_dir,
 )
 from .eventlog import EventLog
-from .framing import OVERSIZED, FrameSplitter, FrameTooLargeError, LineSplitter
+from .fifo import FifoFront
 from .policy import Policy, Requester, Target, check, valid_signals
-from .procs import ProcessHandle, ancestors, open_process, supplementary_groups
+from .procs import ProcessHandle, ancestors, open_process
 from .snapshot import (
     FORMAT_VERSION,
     SNAPSHOT_NAME,
@@ -64,46 +62,9 @@ __all__ = ["Daemon", "EndpointError"]
 
 log = logging.getLogger("watchdogd")
 
-_FIFO_READ_CHUNK = 1 << 20
-# Bytes read from the FIFO per loop callback, so a flood cannot starve the
-# socket and the expiry loop; the callback runs again on the next iteration.
-_FIFO_READ_BUDGET = 4 << 20
 _EVENT_LOG = "watchdogd-event-log"
-_UCRED = struct.Struct("3i")
 
 ErrorReply = tuple[p.ErrorCode, str]
-
-_request_decoder = msgspec.msgpack.Decoder(p.Request)
-_fifo_decoder = msgspec.json.Decoder(p.FileTimerRequest)
-_reply_encoder = msgspec.msgpack.Encoder()
-
-
-class _Peer:
-    """A socket connection's kernel-checked identity and its request counter."""
-
-    __slots__ = ("admin", "gid", "greeted", "pid", "requester", "seq", "uid")
-
-    def __init__(self, pid: int, uid: int, gid: int, admin: bool) -> None:
-        self.pid = pid
-        self.uid = uid
-        self.gid = gid
-        self.admin = admin
-        self.requester = Requester("socket", uid, admin)
-        self.seq = 0
-        self.greeted = False
-
-
-_FIFO_REQUESTER = Requester("fifo")
-
-
-class _Follow(msgspec.Struct, frozen=True):
-    """Not a reply: the connection turns into a stream of events."""
-
-    request: p.GetEvents
-    seq: int
-
-
-_REQUEST_COUNTER = {kind: f"socket.{kind.__struct_config__.tag}" for kind in p.Request.__args__}
 
 
 class Daemon:
@@ -132,8 +93,9 @@ class Daemon:
         self.expired_scopes: dict[int, str] = {}
         self._wake = anyio.Event()
         self._policy = self._build_policy()
-        self._admin_gid = self._lookup_admin_gid()
-        self._fifo_splitter = LineSplitter(self.limits.max_line)
+        self.admin_gid = self._lookup_admin_gid()
+        self.fifo_front = FifoFront(self, self.limits.max_line)
+        self.socket_front = SocketFront(self)
         self._event_destination = "null"
         if config.event_log:
             handler = logging.FileHandler(config.event_log)
@@ -183,10 +145,10 @@ class Daemon:
             cleanup.callback(self._close_processes)
             self._restore_snapshot()
             async with anyio.create_task_group() as tg, listener:
-                _aio.watch_readable(fifo_fd, lambda: self._on_fifo_readable(fifo_fd))
+                _aio.watch_readable(fifo_fd, lambda: self.fifo_front.on_readable(fifo_fd))
                 cleanup.callback(_aio.unwatch, fifo_fd)
                 tg.start_soon(self._expiry_loop)
-                tg.start_soon(listener.serve, self._serve_connection, tg)
+                tg.start_soon(listener.serve, self.socket_front.serve, tg)
                 tg.start_soon(self._snapshot_loop)
                 tg.start_soon(self._notify_loop)
                 self.supervisor.attach(tg)
@@ -360,9 +322,9 @@ class Daemon:
         new_groups = {g.name: g for g in config.groups}
         self.config = config
         self.limits = config.limits
-        self._fifo_splitter.max_line = config.limits.max_line
+        self.fifo_front.splitter.max_line = config.limits.max_line
         self._policy = self._build_policy()
-        self._admin_gid = self._lookup_admin_gid()
+        self.admin_gid = self._lookup_admin_gid()
         for name in old_groups - new_groups.keys():
             with contextlib.suppress(GroupError):
                 self.supervisor.get(name).stop()
@@ -571,259 +533,14 @@ class Daemon:
             "uid": None if timer.uid < 0 else timer.uid,
         }
 
-    # -- FIFO --------------------------------------------------------------------
-
-    def _on_fifo_readable(self, fd: int) -> None:
-        budget = _FIFO_READ_BUDGET
-        while budget > 0:
-            try:
-                data = os.read(fd, _FIFO_READ_CHUNK)
-            except BlockingIOError:
-                return
-            budget -= len(data)
-            for line in self._fifo_splitter.feed(data):
-                self._fifo_line(line)
-
-    def _fifo_line(self, line: bytes) -> None:
-        try:
-            self._serve_fifo_line(line)
-        except Exception:
-            log.exception("internal error serving a FIFO line: %r", line[:200])
-
-    def _serve_fifo_line(self, line: bytes) -> None:
-        if line is OVERSIZED:
-            self._bad_input("fifo", f"line longer than max_line ({self.limits.max_line})", b"")
-            return
-        if not line.strip():
-            return
-        request = self._decode_fifo_line(line)
-        if request is None:
-            return
-        self.requests["fifo"] += 1
-        if request.version != 1:
-            self._bad_input("fifo", f"unsupported version {request.version}", line[:200])
-            return
-        error = self.arm(
-            _FIFO_REQUESTER,
-            request.pid,
-            request.scope_id,
-            request.expiration_time,
-            request.signal,
-        )
-        if error is not None:
-            self._refused("fifo", request.pid, request.scope_id, error)
-
-    def _decode_fifo_line(self, line: bytes) -> p.FileTimerRequest | None:
-        try:
-            return _fifo_decoder.decode(line)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            error = e
-        # A writer that wrote half a line glues it to the next writer's whole
-        # one; every request is a flat object, so the last '{' starts the one
-        # worth saving.
-        start = line.rfind(b"{")
-        salvaged = None
-        if start > 0:
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                salvaged = _fifo_decoder.decode(line[start:])
-        self._bad_input("fifo", str(error), line[:start] if salvaged else line)
-        return salvaged
-
-    def _bad_input(self, via: str, reason: str, sample: bytes) -> None:
+    def bad_input(self, via: str, reason: str, sample: bytes) -> None:
         self.counts["bad_input"] += 1
         self.emit("bad_input", via=via, reason=reason, sample=sample[:200].decode(errors="replace"))
 
-    def _refused(self, via: str, pid: int, scope_id: str, error: ErrorReply) -> None:
+    def refused(self, via: str, pid: int, scope_id: str, error: ErrorReply) -> None:
         self.counts["refused"] += 1
         code, message = error
         self.emit("request_refused", via=via, pid=pid, scope_id=scope_id, code=code, reason=message)
-
-    # -- socket ------------------------------------------------------------------
-
-    async def _serve_connection(self, stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
-            pid, uid, gid = _UCRED.unpack(
-                raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-            )
-            if self.connections >= self.limits.max_connections:
-                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await stream.send(
-                        self._encode(
-                            p.Error(-1, "limit_exceeded", "too many connections (max_connections)")
-                        )
-                    )
-                return
-            peer = _Peer(pid, uid, gid, self._is_admin(pid, uid))
-            self.connections += 1
-            try:
-                await self._converse(stream, peer)
-            finally:
-                self.connections -= 1
-
-    def _is_admin(self, pid: int, uid: int) -> bool:
-        if uid == 0:
-            return True
-        if self._admin_gid is None:
-            return False
-        try:
-            return self._admin_gid in supplementary_groups(pid)
-        except ProcessLookupError:
-            return False
-
-    async def _converse(self, stream: anyio.abc.SocketStream, peer: _Peer) -> None:
-        """Serve one connection until it closes or must be closed.
-
-        Replies are sent in batches; once ``max_pending_bytes`` of them wait,
-        the daemon sends before it reads another request, so a client that
-        sends and never reads stalls only itself, at a bounded cost.
-        """
-        splitter = FrameSplitter(self.limits.max_frame)
-        limit = self.limits.max_pending_bytes
-        outbox: list[bytes] = []
-        pending = 0
-
-        async def flush() -> None:
-            nonlocal pending
-            if outbox:
-                data = b"".join(outbox)
-                outbox.clear()
-                pending = 0
-                await stream.send(data)
-
-        try:
-            while True:
-                try:
-                    data = await stream.receive(1 << 16)
-                except anyio.EndOfStream:
-                    return
-                try:
-                    for payload in splitter.feed(data):
-                        reply = self._handle_frame(peer, payload)
-                        if reply is None:
-                            continue
-                        if isinstance(reply, _Follow):
-                            await flush()
-                            await self._stream_events(stream, reply)
-                            return
-                        encoded = self._encode(reply)
-                        outbox.append(encoded)
-                        pending += len(encoded)
-                        if isinstance(reply, p.Error) and reply.code == "version_mismatch":
-                            await flush()
-                            return
-                        if pending >= limit:
-                            await flush()
-                except FrameTooLargeError as e:
-                    self._bad_input("socket", str(e), b"")
-                    outbox.append(self._encode(p.Error(peer.seq, "bad_frame", f"{e}; closing")))
-                    await flush()
-                    return
-                await flush()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return
-
-    async def _stream_events(self, stream: anyio.abc.SocketStream, follow: _Follow) -> None:
-        since, limit = follow.request.since_ms, follow.request.limit
-        with self.events.follow(since, limit) as (backlog, follower):
-            await stream.send(self._encode(p.EventBatch(follow.seq, backlog)))
-            async for event in follower.receive:
-                batch = [event]
-                while len(batch) < 256:
-                    try:
-                        batch.append(follower.receive.receive_nowait())
-                    except anyio.WouldBlock:
-                        break
-                reply = p.EventBatch(follow.seq, batch, follower.take_dropped())
-                await stream.send(self._encode(reply))
-
-    @staticmethod
-    def _encode(reply: p.Reply) -> bytes:
-        return p.frame(_reply_encoder.encode(reply))
-
-    def _handle_frame(self, peer: _Peer, payload: bytes) -> p.Reply | _Follow | None:
-        seq = peer.seq
-        peer.seq += 1
-        try:
-            request = _request_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self._bad_input("socket", str(e), payload[:64])
-            return p.Error(seq, "bad_request", str(e))
-        try:
-            return self._dispatch(seq, peer, request)
-        except Exception as e:
-            # A bug must cost one request, never the daemon and its timers.
-            log.exception("internal error serving %s from pid %d", type(request).__name__, peer.pid)
-            return p.Error(seq, "internal", f"{type(e).__name__}: {e}")
-
-    def _dispatch(self, seq: int, peer: _Peer, request: p.Request) -> p.Reply | _Follow | None:
-        if not peer.greeted:
-            if not isinstance(request, p.Hello):
-                return p.Error(seq, "hello_required", "send hello before any other request")
-            if request.version != p.PROTOCOL_VERSION:
-                return p.Error(
-                    seq,
-                    "version_mismatch",
-                    f"daemon speaks protocol {p.PROTOCOL_VERSION}, client {request.version}",
-                )
-            peer.greeted = True
-            return p.Welcome(seq, p.PROTOCOL_VERSION, os.getpid(), peer.pid, peer.uid)
-        self.requests[_REQUEST_COUNTER[type(request)]] += 1
-        error: ErrorReply | None
-        target = peer.pid
-        match request:
-            case p.Acquire(scope_id, expiration_time, signal, pid):
-                target = peer.pid if pid is None else pid
-                error = self.arm(peer.requester, target, scope_id, expiration_time, signal)
-            case p.Release(scope_id, pid):
-                target = peer.pid if pid is None else pid
-                error = self.release(peer.requester, target, scope_id)
-            case p.ReleaseAll(pid):
-                target = peer.pid if pid is None else pid
-                error = self.release_all(peer.requester, target)
-            case p.Sync():
-                return p.Synced(seq)
-            case p.ListTimers():
-                return p.TimerList(
-                    seq, self.timer_infos(self.limits.max_listed_timers), len(self.table)
-                )
-            case p.GetStatus():
-                return self.status(seq)
-            case p.GetEvents(since_ms=since_ms, limit=limit, follow=follow):
-                if follow:
-                    return _Follow(request, seq)
-                return p.EventBatch(seq, self.events.since(since_ms, limit))
-            case p.ListGroups():
-                return p.GroupList(seq, [r.info() for r in self.supervisor.groups.values()])
-            case p.SubmitGroup() | p.StopGroup() | p.RestartGroup():
-                return self._control_group(seq, peer, request)
-            case p.Hello():
-                return p.Error(seq, "bad_request", "hello was already sent on this connection")
-        if error is None:
-            return None
-        self._refused("socket", target, getattr(request, "scope_id", ""), error)
-        return p.Error(seq, *error)
-
-    def _control_group(
-        self, seq: int, peer: _Peer, request: p.SubmitGroup | p.StopGroup | p.RestartGroup
-    ) -> p.Reply:
-        if not peer.admin:
-            return p.Error(
-                seq, "refused", "only root and the admin group may submit, stop or restart groups"
-            )
-        try:
-            match request:
-                case p.SubmitGroup(spec):
-                    self.supervisor.submit(spec)
-                    return p.Ok(seq, f"group {spec.name} started")
-                case p.StopGroup(name):
-                    self.supervisor.get(name).stop()
-                    return p.Ok(seq, f"group {name} stopping")
-                case p.RestartGroup(name):
-                    self.supervisor.get(name).restart()
-                    return p.Ok(seq, f"group {name} restarting")
-        except GroupError as e:
-            return p.Error(seq, "group_error", str(e))
 
     # -- queries -----------------------------------------------------------------
 
