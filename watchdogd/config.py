@@ -73,6 +73,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     """``text``: ``name key=value …`` lines; ``json``: each event as one JSON object."""
+    stack_dumps: Literal["auto", "faulthandler", "py-spy", "off"] = "auto"
+    """Capture a hung process's stacks before killing it (auto: faulthandler, else py-spy)."""
+    stack_dump_timeout: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    dumps_kept: PositiveInt = 100
+    kill_grace: Annotated[float, msgspec.Meta(ge=0)] | None = 10.0
+    """SIGKILL a process still alive this long after its timer's signal (None: never)."""
     event_ring_size: PositiveInt = 10_000
     """Recent events kept for ``watchdogctl events``."""
     limits: Limits = msgspec.field(default_factory=Limits)

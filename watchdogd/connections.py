@@ -24,7 +24,7 @@ from watchdogd_client import protocol as p
 
 from .framing import FrameSplitter, FrameTooLargeError
 from .policy import Requester
-from .procs import supplementary_groups
+from .procs import open_process, supplementary_groups
 from .supervisor import GroupError
 
 TYPE_CHECKING = False
@@ -54,6 +54,13 @@ class _Peer:
         self.requester = Requester("socket", uid, admin)
         self.seq = 0
         self.greeted = False
+
+
+class _WithFd(msgspec.Struct, frozen=True):
+    """A reply that carries a descriptor (``SCM_RIGHTS``): the faulthandler file."""
+
+    reply: p.Reply
+    fd: int
 
 
 class _Follow(msgspec.Struct, frozen=True):
@@ -135,6 +142,10 @@ class SocketFront:
                             await flush()
                             await self._stream_events(stream, reply)
                             return
+                        if isinstance(reply, _WithFd):
+                            await flush()
+                            await self._send_with_fd(stream, reply)
+                            continue
                         encoded = self._encode(reply)
                         outbox.append(encoded)
                         pending += len(encoded)
@@ -156,21 +167,57 @@ class SocketFront:
         since, limit = follow.request.since_ms, follow.request.limit
         with self.daemon.events.follow(since, limit) as (backlog, follower):
             await stream.send(self._encode(p.EventBatch(follow.seq, backlog)))
-            async for event in follower.receive:
-                batch = [event]
-                while len(batch) < 256:
-                    try:
-                        batch.append(follower.receive.receive_nowait())
-                    except anyio.WouldBlock:
-                        break
-                reply = p.EventBatch(follow.seq, batch, follower.take_dropped())
-                await stream.send(self._encode(reply))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._until_closed, stream, tg.cancel_scope)
+                async for event in follower.receive:
+                    batch = [event]
+                    while len(batch) < 256:
+                        try:
+                            batch.append(follower.receive.receive_nowait())
+                        except anyio.WouldBlock:
+                            break
+                    reply = p.EventBatch(follow.seq, batch, follower.take_dropped())
+                    await stream.send(self._encode(reply))
+
+    @staticmethod
+    async def _until_closed(stream: anyio.abc.SocketStream, scope: anyio.CancelScope) -> None:
+        """A follower sends nothing more: what arrives is the end (or ignored)."""
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+            while True:
+                await stream.receive()
+        scope.cancel()
+
+    def _faulthandler_fd(self, pid: int, signal: int) -> int | None:
+        daemon = self.daemon
+        if not 0 < signal < 65 or signal == 9:
+            return None
+        handle = daemon.processes.get(pid)
+        if handle is None:
+            try:
+                handle = open_process(pid)
+            except (ProcessLookupError, OSError):
+                return None
+            daemon.watch_process(handle)
+        try:
+            return daemon.reaper.register_faulthandler(handle, signal)
+        except OSError as e:
+            log.error("cannot open a stack dump file for pid %d: %s", pid, e.strerror)
+            return None
+
+    async def _send_with_fd(self, stream: anyio.abc.SocketStream, item: _WithFd) -> None:
+        try:
+            if isinstance(stream, anyio.abc.UNIXSocketStream):
+                await stream.send_fds(self._encode(item.reply), [item.fd])
+            else:
+                await stream.send(self._encode(item.reply))
+        finally:
+            os.close(item.fd)
 
     @staticmethod
     def _encode(reply: p.Reply) -> bytes:
         return p.frame(_reply_encoder.encode(reply))
 
-    def _handle_frame(self, peer: _Peer, payload: bytes) -> p.Reply | _Follow | None:
+    def _handle_frame(self, peer: _Peer, payload: bytes) -> p.Reply | _Follow | _WithFd | None:
         seq = peer.seq
         peer.seq += 1
         try:
@@ -185,7 +232,9 @@ class SocketFront:
             log.exception("internal error serving %s from pid %d", type(request).__name__, peer.pid)
             return p.Error(seq, "internal", f"{type(e).__name__}: {e}")
 
-    def _dispatch(self, seq: int, peer: _Peer, request: p.Request) -> p.Reply | _Follow | None:
+    def _dispatch(
+        self, seq: int, peer: _Peer, request: p.Request
+    ) -> p.Reply | _Follow | _WithFd | None:
         if not peer.greeted:
             if not isinstance(request, p.Hello):
                 return p.Error(seq, "hello_required", "send hello before any other request")
@@ -196,7 +245,13 @@ class SocketFront:
                     f"daemon speaks protocol {p.PROTOCOL_VERSION}, client {request.version}",
                 )
             peer.greeted = True
-            return p.Welcome(seq, p.PROTOCOL_VERSION, os.getpid(), peer.pid, peer.uid)
+            welcome = p.Welcome(seq, p.PROTOCOL_VERSION, os.getpid(), peer.pid, peer.uid)
+            if request.stack_signal is None:
+                return welcome
+            fd = self._faulthandler_fd(peer.pid, request.stack_signal)
+            if fd is None:
+                return welcome
+            return _WithFd(msgspec.structs.replace(welcome, stack_dumps=True), fd)
         self.daemon.requests[_REQUEST_COUNTER[type(request)]] += 1
         error: ErrorReply | None
         target = peer.pid
@@ -224,6 +279,13 @@ class SocketFront:
                 if follow:
                     return _Follow(request, seq)
                 return p.EventBatch(seq, self.daemon.events.since(since_ms, limit))
+            case p.ListDumps():
+                return p.DumpList(seq, self.daemon.reaper.stacks.list())
+            case p.GetDump(dump_id):
+                found = self.daemon.reaper.stacks.read(dump_id)
+                if found is None:
+                    return p.Error(seq, "bad_request", f"no stack dump {dump_id!r}")
+                return p.DumpText(seq, *found)
             case p.ListGroups():
                 return p.GroupList(seq, [r.info() for r in self.daemon.supervisor.groups.values()])
             case p.SubmitGroup() | p.StopGroup() | p.RestartGroup():

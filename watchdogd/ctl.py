@@ -166,6 +166,37 @@ def cmd_events(client: SocketTimerClient, args: argparse.Namespace) -> None:
         pass
 
 
+def cmd_dumps(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """List the stack dumps taken of hung processes before they were killed."""
+    dumps = client.list_dumps()
+    if args.json:
+        _print_json([msgspec.structs.asdict(d) for d in dumps])
+        return
+    if not dumps:
+        print("no stack dumps")
+        return
+    rows = [
+        (
+            d.id,
+            datetime.fromtimestamp(d.timestamp).isoformat(timespec="seconds"),
+            d.pid,
+            d.scope_id,
+            d.method,
+            d.size,
+        )
+        for d in dumps
+    ]
+    print(tabulate(rows, headers=["ID", "TIME", "PID", "SCOPE", "METHOD", "BYTES"]))
+
+
+def cmd_dump(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """Print one stack dump (IDs from `watchdogctl dumps`)."""
+    dump = client.get_dump(args.id)
+    info = dump.info
+    print(f"# pid {info.pid}, timer {info.scope_id!r}, via {info.method}")
+    sys.stdout.write(dump.text)
+
+
 class UsageError(Exception):
     pass
 
@@ -175,6 +206,8 @@ COMMANDS = {
     "status": cmd_status,
     "groups": cmd_groups,
     "events": cmd_events,
+    "dumps": cmd_dumps,
+    "dump": cmd_dump,
     "submit": cmd_submit,
     "stop": cmd_stop,
     "restart": cmd_restart,
@@ -196,7 +229,8 @@ def _parser() -> argparse.ArgumentParser:
         name: commands.add_parser(name, help=handler.__doc__, description=handler.__doc__)
         for name, handler in COMMANDS.items()
     }
-    for name in ("timers", "status", "groups", "events"):
+    subs["dump"].add_argument("id", metavar="ID", help="a dump id from `watchdogctl dumps`")
+    for name in ("timers", "status", "groups", "events", "dumps"):
         subs[name].add_argument("--json", action="store_true", help="print JSON, not a table")
     subs["events"].add_argument("--since", metavar="T", help="30s, 5m, 2h, 1d ago, or epoch secs")
     subs["events"].add_argument("--limit", type=int, metavar="N", help="at most the last N")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -201,15 +202,28 @@ def run(args: argparse.Namespace, config: Config) -> int:
         # A private timer service, so that it never collides with the node's daemon.
         runtime_dir = Path(tempfile.mkdtemp(prefix="watchdogd-run-"))
         config = msgspec.structs.replace(config, runtime_dir=str(runtime_dir))
+    if config.state_dir is None:
+        # Stack dumps of hung workers outlive the run: next to the logs, or in /tmp.
+        state = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
+        config = msgspec.structs.replace(config, state_dir=str(state) if state else None)
     daemon = Daemon(config)
     outcome: dict[str, GroupState | int] = {}
     try:
         _aio.run(partial(_run_group, daemon, spec, outcome))
     finally:
+        dumps = daemon.reaper.stacks.list() if daemon.reaper.stacks.directory.is_dir() else []
+        if dumps:
+            print(
+                f"watchdogd run: stacks of hung workers in {daemon.reaper.stacks.directory}",
+                file=sys.stderr,
+            )
         if runtime_dir is not None:
-            for leftover in runtime_dir.iterdir():
-                leftover.unlink()
-            runtime_dir.rmdir()
+            if dumps:
+                for leftover in runtime_dir.iterdir():
+                    if leftover.name != "dumps":
+                        leftover.unlink()
+            else:
+                shutil.rmtree(runtime_dir)
     if "error" in outcome:
         return EXIT_USAGE
     if "signal" in outcome:

@@ -46,6 +46,7 @@ from .eventlog import EventLog
 from .fifo import FifoFront
 from .policy import Policy, Requester, Target, check, valid_signals
 from .procs import ProcessHandle, ancestors, open_process
+from .reaper import Reaper
 from .snapshot import (
     FORMAT_VERSION,
     SNAPSHOT_NAME,
@@ -56,7 +57,7 @@ from .snapshot import (
 )
 from .supervisor import GroupError, Supervisor
 from .systemd import Notifier, is_fifo, is_listening_unix_socket, listen_fds
-from .timers import Timer, TimerTable
+from .timers import TimerTable
 
 __all__ = ["Daemon", "EndpointError"]
 
@@ -82,6 +83,8 @@ class Daemon:
         self.connections = 0
         self.started_at = time.monotonic()
         self.supervisor = Supervisor(self)
+        self.reaper = Reaper(self)
+        self.signals: Counter[int] = Counter()
         self.events = EventLog(config.event_ring_size)
         self.notifier = Notifier()
         self.snapshot_path = config.state_path() / SNAPSHOT_NAME
@@ -152,6 +155,7 @@ class Daemon:
                 tg.start_soon(self._snapshot_loop)
                 tg.start_soon(self._notify_loop)
                 self.supervisor.attach(tg)
+                self.reaper.attach(tg)
                 self.emit(
                     "daemon_started",
                     version=__version__,
@@ -271,7 +275,7 @@ class Daemon:
                     handle.close()  # the pid now names another process
                     gone += 1
                     continue
-                self._watch_process(handle)
+                self.watch_process(handle)
             deadline = now + (saved.expiration_time - wall)
             self.table.arm(
                 saved.pid, saved.scope_id, deadline, saved.signal, saved.source, saved.uid
@@ -422,7 +426,7 @@ class Daemon:
                 handle.close()
             return refusal.code, refusal.reason
         if new_handle:
-            self._watch_process(handle)
+            self.watch_process(handle)
         deadline = time.monotonic() + (expiration_time - time.time())
         source: Literal["fifo", "socket"] = requester.via
         if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid):
@@ -460,7 +464,7 @@ class Daemon:
 
     # -- processes ---------------------------------------------------------------
 
-    def _watch_process(self, handle: ProcessHandle) -> None:
+    def watch_process(self, handle: ProcessHandle) -> None:
         self.processes[handle.pid] = handle
         _aio.watch_readable(handle.pidfd, lambda: self._on_process_exit(handle))
 
@@ -469,6 +473,7 @@ class Daemon:
         handle.close()
         if self.processes.get(handle.pid) is handle:
             del self.processes[handle.pid]
+        self.reaper.forget(handle)
         dropped = self.table.release_pid(handle.pid)
         if dropped:
             self._mark_dirty()
@@ -497,41 +502,8 @@ class Daemon:
                 await self._wake.wait()
 
     def _expire(self, now: float) -> None:
-        signalled: set[int] = set()
         self._mark_dirty()
-        for timer in self.table.pop_expired(now):
-            self.counts["expired"] += 1
-            if timer.signal <= 0 or timer.pid in signalled:
-                self.emit("timer_expired", **self._describe(timer), action="recorded")
-                continue
-            signalled.add(timer.pid)
-            self._signal(timer)
-
-    def _signal(self, timer: Timer) -> None:
-        handle = self.processes.get(timer.pid)
-        try:
-            if handle is None:
-                raise ProcessLookupError(timer.pid)
-            handle.send_signal(timer.signal)
-        except ProcessLookupError:
-            self.counts["dropped"] += 1
-            self.emit("timer_expired", **self._describe(timer), action="process already gone")
-            return
-        late_ms = (time.monotonic() - timer.deadline) * 1000
-        self.counts["signalled"] += 1
-        if timer.pid in self.supervised:
-            self.expired_scopes[timer.pid] = timer.scope_id
-        self.emit("timer_expired", **self._describe(timer), action="signalled", late_ms=late_ms)
-
-    @staticmethod
-    def _describe(timer: Timer) -> dict[str, str | int | float | bool | None]:
-        return {
-            "pid": timer.pid,
-            "scope_id": timer.scope_id,
-            "signal": timer.signal,
-            "source": timer.source,
-            "uid": None if timer.uid < 0 else timer.uid,
-        }
+        self.reaper.expire(self.table.pop_expired(now))
 
     def bad_input(self, via: str, reason: str, sample: bytes) -> None:
         self.counts["bad_input"] += 1

@@ -29,23 +29,18 @@ from typing import Literal
 import anyio
 import msgspec
 
+from watchdogd_client.protocol import DumpInfo
+
 from .procs import ProcessHandle
 
 __all__ = ["DumpInfo", "StackStore", "capture_faulthandler", "capture_pyspy"]
 
 Method = Literal["faulthandler", "py-spy"]
 _HEADER = "# watchdogd stack dump "
-_POLL = 0.02
-_QUIET = 0.1  # the dump is complete once the file stops growing for this long
-
-
-class DumpInfo(msgspec.Struct, kw_only=True):
-    id: str
-    pid: int
-    scope_id: str
-    method: str
-    timestamp: float
-    size: int
+_POLL = 0.005
+# faulthandler writes the whole dump from its signal handler at once; a file
+# that stopped growing for this long holds all of it.
+_QUIET = 0.02
 
 
 class StackStore:
@@ -93,14 +88,16 @@ class StackStore:
                     dumps.append(msgspec.json.decode(first[len(_HEADER) :], type=DumpInfo))
         return sorted(dumps, key=lambda d: d.timestamp)
 
-    def read(self, dump_id: str) -> str | None:
+    def read(self, dump_id: str) -> tuple[DumpInfo, str] | None:
         if not dump_id.replace("-", "").isdigit():
             return None  # never a path: ids are digits and dashes
         try:
-            text = (self.directory / f"{dump_id}.txt").read_text()
+            header, _, text = (self.directory / f"{dump_id}.txt").read_text().partition("\n")
         except FileNotFoundError:
             return None
-        return text.partition("\n")[2]
+        if not header.startswith(_HEADER):
+            return None
+        return msgspec.json.decode(header[len(_HEADER) :], type=DumpInfo), text
 
     def forget_process(self, pid: int, start_time: int) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -13,6 +13,7 @@ sending its own request; a deadline that passed meanwhile fires at once.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import select
 import signal as _signal
@@ -44,7 +45,10 @@ class SocketTimerClient(TimerClient):
     ``path`` defaults to ``$WATCHDOGD_SOCKET``, else the daemon's default
     socket. ``signal`` is sent to this process when one of its timers expires
     (``<= 0``: record the expiry only). ``timeout`` bounds connecting and
-    waiting for replies.
+    waiting for replies. ``stack_signal``: register :mod:`faulthandler` on
+    this signal, writing into a file the daemon hands over, so the daemon can
+    capture this process's stacks before killing it (None: don't; skipped if
+    the program already handles that signal).
     """
 
     def __init__(
@@ -54,6 +58,7 @@ class SocketTimerClient(TimerClient):
         *,
         timeout: float = 10.0,
         name: str = "",
+        stack_signal: int | None = _signal.SIGUSR2,
     ) -> None:
         if path is None:
             path = os.environ.get("WATCHDOGD_SOCKET") or default_socket_path()
@@ -68,6 +73,8 @@ class SocketTimerClient(TimerClient):
         self._errors: list[RequestError] = []
         self._held: dict[str, tuple[float, int]] = {}
         self.welcome: p.Welcome | None = None
+        self.stack_signal = stack_signal
+        self._stack_fd = -1
         _live_clients.add(self)
 
     # -- TimerClient -----------------------------------------------------------
@@ -134,6 +141,13 @@ class SocketTimerClient(TimerClient):
             reply = self._next_reply(sock)
             if isinstance(reply, p.EventBatch) and reply.seq == first.seq:
                 yield reply
+
+    def list_dumps(self) -> list[p.DumpInfo]:
+        """Saved stack dumps of processes killed for expired timers, oldest first."""
+        return self.request(p.ListDumps(), p.DumpList).dumps
+
+    def get_dump(self, dump_id: str) -> p.DumpText:
+        return self.request(p.GetDump(dump_id), p.DumpText)
 
     def list_groups(self) -> list[GroupInfo]:
         return self.request(p.ListGroups(), p.GroupList).groups
@@ -218,8 +232,11 @@ class SocketTimerClient(TimerClient):
         self._poller.register(sock, select.POLLIN)
         self._buffer.clear()
         self._next_seq = 1
+        stack_signal = self._free_stack_signal()
+        hello = p.Hello(p.PROTOCOL_VERSION, self.name, stack_signal)
         try:
-            sock.sendall(p.frame(_encoder.encode(p.Hello(p.PROTOCOL_VERSION, self.name))))
+            sock.sendall(p.frame(_encoder.encode(hello)))
+            fds = self._recv_welcome(sock)
             welcome = self._next_reply(sock)
         except DaemonUnavailableError:
             self.close()
@@ -231,10 +248,39 @@ class SocketTimerClient(TimerClient):
             self.close()
             raise ProtocolError(f"daemon at {self.path} answered hello with {welcome!r}")
         self.welcome = welcome
+        if stack_signal is not None and welcome.stack_dumps and fds:
+            self._register_faulthandler(stack_signal, fds.pop(0))
+        for fd in fds:
+            os.close(fd)
         for scope_id, (expiration_time, signal) in self._held.items():
             sock.sendall(p.frame(_encoder.encode(p.Acquire(scope_id, expiration_time, signal))))
             self._next_seq += 1
         return sock
+
+    def _free_stack_signal(self) -> int | None:
+        """The stack signal, if nobody else handles it (or we registered it ourselves)."""
+        if self.stack_signal is None:
+            return None
+        if self._stack_fd < 0 and _signal.getsignal(self.stack_signal) is not _signal.SIG_DFL:
+            return None
+        return self.stack_signal
+
+    def _recv_welcome(self, sock: socket.socket) -> list[int]:
+        """Read the start of the welcome, keeping any descriptor that came with it."""
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
+        except OSError as e:
+            raise DaemonUnavailableError(self.path, e.strerror or type(e).__name__) from None
+        if not data:
+            raise DaemonUnavailableError(self.path, "the daemon closed the connection")
+        self._buffer += data
+        return list(fds)
+
+    def _register_faulthandler(self, signal: int, fd: int) -> None:
+        faulthandler.register(signal, file=fd, all_threads=True, chain=False)
+        if self._stack_fd >= 0:
+            os.close(self._stack_fd)  # the previous daemon's file
+        self._stack_fd = fd
 
     def _next_reply(self, sock: socket.socket) -> p.Reply:
         while True:
@@ -285,8 +331,13 @@ class SocketTimerClient(TimerClient):
 
 def _forget_connections_after_fork() -> None:
     # The daemon identifies a connection by the pid that opened it: a forked
-    # child must open its own rather than arm timers on its parent.
+    # child must open its own rather than arm timers on its parent, and must
+    # not dump its stacks into the file named for its parent.
     for client in list(_live_clients):
+        if client._stack_fd >= 0 and client.stack_signal is not None:
+            faulthandler.unregister(client.stack_signal)
+            os.close(client._stack_fd)
+            client._stack_fd = -1
         if client._sock is not None:
             client._sock.close()
             client._sock = None

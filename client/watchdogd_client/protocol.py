@@ -40,13 +40,18 @@ __all__ = [
     "MAX_FRAME_SIZE",
     "PROTOCOL_VERSION",
     "Acquire",
+    "DumpInfo",
+    "DumpList",
+    "DumpText",
     "Error",
     "EventBatch",
     "FileTimerRequest",
+    "GetDump",
     "GetEvents",
     "GetStatus",
     "GroupList",
     "Hello",
+    "ListDumps",
     "ListGroups",
     "ListTimers",
     "Ok",
@@ -102,10 +107,16 @@ class FileTimerRequest(msgspec.Struct):
 
 
 class Hello(msgspec.Struct, tag="hello", tag_field="op"):
-    """Open a session: the client's protocol version and a name for logs."""
+    """Open a session: the client's protocol version and a name for logs.
+
+    ``stack_signal``: the client will register :mod:`faulthandler` on this
+    signal; the daemon answers with a descriptor (``SCM_RIGHTS``) of a file
+    it names for the client's pid, to write the dump into.
+    """
 
     version: int = PROTOCOL_VERSION
     client: str = ""
+    stack_signal: int | None = None
 
 
 class Acquire(msgspec.Struct, tag="acquire", tag_field="op"):
@@ -162,6 +173,16 @@ class GetEvents(msgspec.Struct, tag="events", tag_field="op", kw_only=True):
     follow: bool = False
 
 
+class ListDumps(msgspec.Struct, tag="list_dumps", tag_field="op"):
+    """Answered with :class:`DumpList`: the saved stack dumps, oldest first."""
+
+
+class GetDump(msgspec.Struct, tag="get_dump", tag_field="op"):
+    """Answered with :class:`DumpText`: one saved stack dump."""
+
+    id: str
+
+
 class ListGroups(msgspec.Struct, tag="list_groups", tag_field="op"):
     """Answered with :class:`GroupList`."""
 
@@ -193,6 +214,8 @@ Request = (
     | ListTimers
     | GetStatus
     | GetEvents
+    | ListDumps
+    | GetDump
     | ListGroups
     | SubmitGroup
     | StopGroup
@@ -211,6 +234,8 @@ class Welcome(msgspec.Struct, tag="welcome", tag_field="op"):
     daemon_pid: int
     peer_pid: int
     peer_uid: int
+    stack_dumps: bool = False
+    """A faulthandler file descriptor came with this reply."""
 
 
 class Synced(msgspec.Struct, tag="synced", tag_field="op"):
@@ -258,6 +283,28 @@ class EventBatch(msgspec.Struct, tag="event_batch", tag_field="op"):
     dropped: int = 0
 
 
+class DumpInfo(msgspec.Struct, kw_only=True):
+    """A saved stack dump: whose, which timer, how it was taken."""
+
+    id: str
+    pid: int
+    scope_id: str
+    method: str
+    timestamp: float
+    size: int
+
+
+class DumpList(msgspec.Struct, tag="dump_list", tag_field="op"):
+    seq: int
+    dumps: list[DumpInfo]
+
+
+class DumpText(msgspec.Struct, tag="dump_text", tag_field="op"):
+    seq: int
+    info: DumpInfo
+    text: str
+
+
 class GroupList(msgspec.Struct, tag="group_list", tag_field="op"):
     seq: int
     groups: list[GroupInfo]
@@ -276,7 +323,18 @@ class Error(msgspec.Struct, tag="error", tag_field="op"):
     message: str
 
 
-Reply = Welcome | Synced | TimerList | StatusInfo | EventBatch | GroupList | Ok | Error
+Reply = (
+    Welcome
+    | Synced
+    | TimerList
+    | StatusInfo
+    | EventBatch
+    | DumpList
+    | DumpText
+    | GroupList
+    | Ok
+    | Error
+)
 
 
 def frame(payload: bytes) -> bytes:
