@@ -79,6 +79,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dumps_kept: PositiveInt = 100
     kill_grace: Annotated[float, msgspec.Meta(ge=0)] | None = 10.0
     """SIGKILL a process still alive this long after its timer's signal (None: never)."""
+    metrics_listen: str | None = None
+    """``PORT`` (loopback) or ``HOST:PORT`` for ``/metrics`` and ``/healthz``; None: off."""
+    health_max_lag: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """``/healthz`` answers 503 once the event loop has stalled this long."""
     event_ring_size: PositiveInt = 10_000
     """Recent events kept for ``watchdogctl events``."""
     limits: Limits = msgspec.field(default_factory=Limits)

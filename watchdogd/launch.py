@@ -28,6 +28,7 @@ from . import _aio
 from .config import Config
 from .server import Daemon
 from .supervisor import GroupError, GroupRunner, visible_gpus
+from .workerenv import apply_env_knobs
 
 __all__ = ["add_run_arguments", "run", "spec_from_args"]
 
@@ -72,6 +73,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="streams to files and to the console with a prefix (same values as -r)",
     )
     _flag(parser, "--local-ranks-filter", default="", help="ranks whose tee'd output is shown")
+    _flag(parser, "--duplicate-stdout-filters", default="", help="copy stdout lines holding any")
+    _flag(parser, "--duplicate-stderr-filters", default="", help="... and stderr lines")
     _flag(parser, "--log-line-prefix-template", default=None, help="e.g. '[$rank]:'")
     _flag(parser, "--virtual-local-rank", action="store_true", help="one GPU per worker")
     _flag(parser, "--shutdown-timeout", type=float, default=30.0, help="SIGTERM to SIGKILL")
@@ -117,6 +120,10 @@ def _entrypoint(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-u", script, *rest]
 
 
+def _comma_list(value: str) -> list[str]:
+    return [item for item in value.split(",") if item]
+
+
 def spec_from_args(args: argparse.Namespace) -> GroupSpec:
     """The group torchrun would launch for these flags; ValueError names a bad one."""
     if args.rdzv_backend != "static":
@@ -133,14 +140,14 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so workers don't oversubscribe
     log_dir = args.log_dir
-    if log_dir is None and (args.redirects != "0" or args.tee != "0"):
+    filters = args.duplicate_stdout_filters or args.duplicate_stderr_filters
+    if log_dir is None and (args.redirects != "0" or args.tee != "0" or filters):
         log_dir = tempfile.mkdtemp(prefix="watchdogd-logs-")
-    d_state_timeout = os.environ.get("TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT") or None
     ranks_filter = (
         [int(r) for r in args.local_ranks_filter.split(",")] if args.local_ranks_filter else None
     )
     try:
-        return msgspec.convert(
+        spec = msgspec.convert(
             {
                 "name": args.role,
                 "entrypoint": _entrypoint(args),
@@ -155,9 +162,8 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "log_line_prefix_template": args.log_line_prefix_template,
                 "virtual_local_rank": args.virtual_local_rank,
                 "shutdown_timeout": args.shutdown_timeout,
-                "uninterruptible_state_timeout": float(d_state_timeout)
-                if d_state_timeout
-                else None,
+                "duplicate_stdout_filters": _comma_list(args.duplicate_stdout_filters),
+                "duplicate_stderr_filters": _comma_list(args.duplicate_stderr_filters),
                 "rendezvous": RendezvousSpec(
                     nnodes=int(low),
                     node_rank=args.node_rank,
@@ -170,6 +176,7 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
         )
     except msgspec.ValidationError as e:
         raise ValueError(str(e)) from None
+    return apply_env_knobs(spec, os.environ)
 
 
 def summarize(runner: GroupRunner, state: GroupState) -> str:
@@ -197,15 +204,21 @@ def run(args: argparse.Namespace, config: Config) -> int:
     except ValueError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
         return EXIT_USAGE
+    timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")
+    if timer_file and config.fifo is None:
+        config = msgspec.structs.replace(config, fifo=timer_file)  # serve torch's path
+    health_port = os.environ.get("TORCHELASTIC_HEALTH_CHECK_PORT")
+    if health_port and config.metrics_listen is None:
+        config = msgspec.structs.replace(config, metrics_listen=health_port)
     runtime_dir = None
-    if config.runtime_dir is None and config.socket is None and config.fifo is None:
+    if config.runtime_dir is None and config.socket is None:
         # A private timer service, so that it never collides with the node's daemon.
         runtime_dir = Path(tempfile.mkdtemp(prefix="watchdogd-run-"))
         config = msgspec.structs.replace(config, runtime_dir=str(runtime_dir))
     if config.state_dir is None:
         # Stack dumps of hung workers outlive the run: next to the logs, or in /tmp.
-        state = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
-        config = msgspec.structs.replace(config, state_dir=str(state) if state else None)
+        state_dir = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
+        config = msgspec.structs.replace(config, state_dir=str(state_dir) if state_dir else None)
     daemon = Daemon(config)
     outcome: dict[str, GroupState | int] = {}
     try:

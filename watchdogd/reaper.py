@@ -164,6 +164,7 @@ class Reaper:
             daemon.emit("timer_expired", **describe(timer), action="process already gone")
             return False
         late = time.monotonic() - timer.deadline
+        daemon.metrics.expiry_latency.observe(late)
         daemon.counts["signalled"] += 1
         daemon.signals[timer.signal] += 1
         if timer.pid in daemon.supervised:

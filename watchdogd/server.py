@@ -44,6 +44,7 @@ from .endpoints import (
 )
 from .eventlog import EventLog
 from .fifo import FifoFront
+from .metrics import HealthServer, LoopMonitor, Metrics, parse_listen
 from .policy import Policy, Requester, Target, check, valid_signals
 from .procs import ProcessHandle, ancestors, open_process
 from .reaper import Reaper
@@ -85,11 +86,16 @@ class Daemon:
         self.supervisor = Supervisor(self)
         self.reaper = Reaper(self)
         self.signals: Counter[int] = Counter()
+        self.refusals: Counter[str] = Counter()
+        self.bad_inputs: Counter[str] = Counter()
+        self.loop_monitor = LoopMonitor()
+        self.metrics = Metrics(self, self.loop_monitor)
         self.events = EventLog(config.event_ring_size)
         self.notifier = Notifier()
         self.snapshot_path = config.state_path() / SNAPSHOT_NAME
         self._dirty = anyio.Event()
         self._activated = False
+        self.http_address: tuple[str, int] | None = None
         # Worker pids this daemon launched (pid -> group): FIFO requests may target them.
         self.supervised: dict[int, str] = {}
         # The scope whose expiry signalled a worker, for its group's failure report.
@@ -154,6 +160,8 @@ class Daemon:
                 tg.start_soon(listener.serve, self.socket_front.serve, tg)
                 tg.start_soon(self._snapshot_loop)
                 tg.start_soon(self._notify_loop)
+                tg.start_soon(self.loop_monitor.run)
+                self._start_http(cleanup)
                 self.supervisor.attach(tg)
                 self.reaper.attach(tg)
                 self.emit(
@@ -347,6 +355,19 @@ class Daemon:
         )
         self.notifier.notify("READY=1", self._status_line())
 
+    def _start_http(self, cleanup: contextlib.ExitStack) -> None:
+        listen = self.config.metrics_listen
+        if listen is None:
+            return
+        try:
+            server = HealthServer(self.metrics, parse_listen(listen), self.config.health_max_lag)
+        except (OSError, ValueError) as e:
+            raise EndpointError(f"cannot serve metrics on {listen}: {e}") from None
+        server.start()
+        cleanup.callback(server.stop)
+        self.http_address = server.address
+        self.emit("metrics_listening", address=f"{server.address[0]}:{server.address[1]}")
+
     def _unlink_socket(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -507,11 +528,13 @@ class Daemon:
 
     def bad_input(self, via: str, reason: str, sample: bytes) -> None:
         self.counts["bad_input"] += 1
+        self.bad_inputs[via] += 1
         self.emit("bad_input", via=via, reason=reason, sample=sample[:200].decode(errors="replace"))
 
     def refused(self, via: str, pid: int, scope_id: str, error: ErrorReply) -> None:
         self.counts["refused"] += 1
         code, message = error
+        self.refusals[code] += 1
         self.emit("request_refused", via=via, pid=pid, scope_id=scope_id, code=code, reason=message)
 
     # -- queries -----------------------------------------------------------------

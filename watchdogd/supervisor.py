@@ -21,12 +21,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -38,9 +37,10 @@ from . import _aio
 from .dstate import DStateDetector
 from .group_machine import Action, Finished, GroupMachine, Signal, Spawn, Transition
 from .procs import read_stat
+from .worker_logs import StreamCopier, open_target, start_copier
 from .workerenv import (
     Placement,
-    StreamRoutes,
+    apply_env_knobs,
     attempt_dir,
     gpu_assignment,
     log_prefix,
@@ -104,47 +104,6 @@ def describe_exit(exitcode: int) -> str:
     return f"exited with status {exitcode}"
 
 
-class _Tee:
-    """Copies a worker's pipe to its log file and, line by line with a prefix, to the console."""
-
-    def __init__(self, fd: int, file: IO[bytes] | None, console: IO[bytes], prefix: bytes) -> None:
-        self.fd = fd
-        self.file = file
-        self.console = console
-        self.prefix = prefix
-        self.partial = b""
-        self.done = anyio.Event()
-        _aio.watch_readable(fd, self._on_readable)
-
-    def _on_readable(self) -> None:
-        try:
-            data = os.read(self.fd, 1 << 16)
-        except BlockingIOError:
-            return
-        if not data:
-            self.close()
-            return
-        if self.file is not None:
-            self.file.write(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        if lines:
-            self.console.write(b"".join(self.prefix + line + b"\n" for line in lines))
-            self.console.flush()
-
-    def close(self) -> None:
-        if self.done.is_set():
-            return
-        _aio.unwatch(self.fd)
-        os.close(self.fd)
-        if self.partial:
-            self.console.write(self.prefix + self.partial + b"\n")
-            self.console.flush()
-        if self.file is not None:
-            self.file.close()
-        self.done.set()
-
-
 class _Worker:
     def __init__(self, local_rank: int, rank: int, attempt: int, popen: subprocess.Popen[bytes]):
         self.local_rank = local_rank
@@ -167,7 +126,7 @@ class GroupRunner:
         self.daemon = daemon
         self.machine = GroupMachine(spec.nproc, spec.max_restarts, spec.shutdown_timeout)
         self.workers: dict[int, _Worker] = {}
-        self.tees: list[_Tee] = []
+        self.copiers: list[StreamCopier] = []
         self.last_failure: Failure | None = None
         self.started_at = time.time()
         self.hostname = socket.gethostname()
@@ -360,9 +319,9 @@ class GroupRunner:
         env: dict[str, str],
         rank_dir: Path | None,
     ) -> _Worker:
-        routes = self.routes[local_rank]
-        stdout = self._stream_target(routes, "stdout", rank_dir)
-        stderr = self._stream_target(routes, "stderr", rank_dir)
+        out_route, err_route = self.routes[local_rank]
+        stdout = open_target(out_route, rank_dir)
+        stderr = open_target(err_route, rank_dir)
         try:
             popen = subprocess.Popen(
                 self.spec.entrypoint,
@@ -382,27 +341,10 @@ class GroupRunner:
                 if not isinstance(target, int | None):
                     target.close()
         prefix = log_prefix(self.spec, local_rank, rank, self.hostname).encode()
-        for name, pipe in (("stdout", popen.stdout), ("stderr", popen.stderr)):
+        for route, pipe in ((out_route, popen.stdout), (err_route, popen.stderr)):
             if pipe is not None:
-                fd = os.dup(pipe.fileno())
-                pipe.close()
-                os.set_blocking(fd, False)
-                file = open(rank_dir / f"{name}.log", "ab") if rank_dir is not None else None  # noqa: SIM115
-                console = sys.stdout.buffer if name == "stdout" else sys.stderr.buffer
-                self.tees.append(_Tee(fd, file, console, prefix))
+                self.copiers.append(start_copier(pipe, route, rank_dir, prefix))
         return _Worker(local_rank, rank, attempt, popen)
-
-    @staticmethod
-    def _stream_target(
-        routes: StreamRoutes, name: str, rank_dir: Path | None
-    ) -> int | IO[bytes] | None:
-        tee = routes.stdout_tee if name == "stdout" else routes.stderr_tee
-        to_file = routes.stdout_file if name == "stdout" else routes.stderr_file
-        if tee:
-            return subprocess.PIPE
-        if to_file and rank_dir is not None:
-            return open(rank_dir / f"{name}.log", "ab")
-        return None
 
     def _signal(self, worker: _Worker, signum: int) -> None:
         if worker.exitcode is not None:
@@ -472,10 +414,10 @@ class GroupRunner:
         with anyio.move_on_after(_DRAIN_TIMEOUT):
             for worker in self.workers.values():
                 await worker.exited.wait()
-            for tee in self.tees:
-                await tee.done.wait()
-        for tee in self.tees:
-            tee.close()
+            for copier in self.copiers:
+                await copier.done.wait()
+        for copier in self.copiers:
+            copier.close()
         for worker in self.workers.values():
             if worker.exitcode is None:
                 with contextlib.suppress(ValueError, OSError):
@@ -504,6 +446,10 @@ class Supervisor:
             raise GroupError(f"group {spec.name!r} is already running ({existing.state.value})")
         if self._task_group is None:
             raise GroupError("the supervisor is not running")
+        try:
+            spec = apply_env_knobs(spec, os.environ)
+        except ValueError as e:
+            raise GroupError(f"group {spec.name}: {e}") from None
         runner = GroupRunner(spec, self.daemon)
         self.groups[spec.name] = runner
         self._task_group.start_soon(self._run, runner, name=f"group {spec.name}")

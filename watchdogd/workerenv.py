@@ -11,6 +11,7 @@ from __future__ import annotations
 import string
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -18,7 +19,8 @@ from watchdogd_client.groups import GroupSpec
 
 __all__ = [
     "Placement",
-    "StreamRoutes",
+    "StreamRoute",
+    "apply_env_knobs",
     "attempt_dir",
     "gpu_assignment",
     "log_prefix",
@@ -39,13 +41,18 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     run_id: str
 
 
-class StreamRoutes(msgspec.Struct, frozen=True):
-    """Per stream: write to a file, and copy to the console with a prefix."""
+class StreamRoute(msgspec.Struct, frozen=True):
+    """Where one worker stream goes: its log file, the console, a filtered copy."""
 
-    stdout_file: bool
-    stderr_file: bool
-    stdout_tee: bool
-    stderr_tee: bool
+    name: Literal["stdout", "stderr"]
+    file: bool
+    console: Literal["none", "plain", "prefixed"]
+    filters: tuple[str, ...] = ()
+
+    @property
+    def piped(self) -> bool:
+        """Through the daemon (a pipe it reads), not straight to a file or the console."""
+        return bool(self.filters) or self.console == "prefixed"
 
 
 def gpu_assignment(spec: GroupSpec, visible: list[str] | None) -> dict[int, str | None]:
@@ -87,22 +94,59 @@ def _selector(value: str, nproc: int) -> dict[int, int]:
     return chosen
 
 
-def stream_routes(spec: GroupSpec) -> dict[int, StreamRoutes]:
-    """torchrun's ``--redirects``/``--tee`` (1 stdout, 2 stderr, 3 both) per local rank."""
+def stream_routes(spec: GroupSpec) -> dict[int, tuple[StreamRoute, StreamRoute]]:
+    """Per local rank, (stdout, stderr) routes, as torchrun reads its flags.
+
+    ``--redirects`` (1 stdout, 2 stderr, 3 both) sends a stream to its log
+    file only; ``--tee`` to the file and to the console with a prefix; neither
+    leaves it on the console as is. ``local_ranks_filter`` keeps other ranks
+    off the console (not out of their files). ``duplicate_*_filters`` copy the
+    matching lines to ``filtered_<stream>.log`` beside the rank's logs.
+    """
     redirects = _selector(spec.redirects, spec.nproc)
     tee = _selector(spec.tee, spec.nproc)
     shown = set(spec.local_ranks_filter) if spec.local_ranks_filter is not None else None
+    filters = {
+        "stdout": tuple(spec.duplicate_stdout_filters),
+        "stderr": tuple(spec.duplicate_stderr_filters),
+    }
     routes = {}
     for rank in range(spec.nproc):
-        to_file = redirects[rank] | tee[rank]
-        to_console = tee[rank] if shown is None or rank in shown else 0
-        routes[rank] = StreamRoutes(
-            stdout_file=bool(to_file & 1),
-            stderr_file=bool(to_file & 2),
-            stdout_tee=bool(to_console & 1),
-            stderr_tee=bool(to_console & 2),
-        )
+        pair = []
+        for bit, name in ((1, "stdout"), (2, "stderr")):
+            to_file = bool((redirects[rank] | tee[rank]) & bit)
+            console: Literal["none", "plain", "prefixed"]
+            if shown is not None and rank not in shown:
+                console = "none"
+            elif tee[rank] & bit:
+                console = "prefixed"
+            else:
+                console = "none" if to_file else "plain"
+            pair.append(StreamRoute(name, to_file, console, filters[name]))  # type: ignore[arg-type]
+        routes[rank] = (pair[0], pair[1])
     return routes
+
+
+def apply_env_knobs(spec: GroupSpec, environ: Mapping[str, str]) -> GroupSpec:
+    """torch agent's environment knobs, from ``environ`` then the group's own ``env``.
+
+    ``TORCHELASTIC_ENABLE_FILE_TIMER=0`` keeps ``TORCHELASTIC_TIMER_FILE``
+    from the workers; ``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT`` sets
+    the D-state timeout when the spec does not.
+    """
+    knobs = {**environ, **spec.env}
+    changes: dict[str, object] = {}
+    if knobs.get("TORCHELASTIC_ENABLE_FILE_TIMER", "1").strip() == "0":
+        changes["file_timer"] = False
+    d_state = knobs.get("TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT", "").strip()
+    if d_state and spec.uninterruptible_state_timeout is None:
+        try:
+            changes["uninterruptible_state_timeout"] = float(d_state)
+        except ValueError:
+            raise ValueError(
+                f"TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT={d_state!r} is not a number"
+            ) from None
+    return msgspec.structs.replace(spec, **changes) if changes else spec
 
 
 def log_prefix(spec: GroupSpec, local_rank: int, rank: int, hostname: str) -> str:
@@ -152,11 +196,14 @@ def worker_env(
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_USE_AGENT_STORE": "False",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "TORCHELASTIC_TIMER_FILE": fifo_path,
             "WATCHDOGD_SOCKET": socket_path,
             "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
         }
     )
+    if spec.file_timer:
+        env["TORCHELASTIC_TIMER_FILE"] = fifo_path
+    else:
+        env.pop("TORCHELASTIC_TIMER_FILE", None)
     directory = attempt_dir(spec, attempt)
     if directory is not None:
         env["TORCHELASTIC_ERROR_FILE"] = str(directory / str(local_rank) / "error.json")

@@ -84,8 +84,15 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Ranks whose tee'd output reaches the console; None: all."""
     log_line_prefix_template: str | None = None
     """``$role_name``, ``$local_rank``, ``$rank``, ``$hostname``; default ``[$role_name$rank]:``."""
+    duplicate_stdout_filters: list[str] = []
+    """Lines of stdout containing any of these also go to ``filtered_stdout.log``."""
+    duplicate_stderr_filters: list[str] = []
+    exit_barrier_timeout: Seconds = 300.0
+    """Multi-node: how long a finished node waits for the others' groups to finish."""
     shutdown_timeout: Seconds = 30.0
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    file_timer: bool = True
+    """Hand workers ``TORCHELASTIC_TIMER_FILE`` (``TORCHELASTIC_ENABLE_FILE_TIMER=0``: don't)."""
     uninterruptible_state_timeout: Seconds | None = None
     """A worker in D state this long makes the group UNHEALTHY (None: not checked)."""
     rendezvous: RendezvousSpec = msgspec.field(default_factory=RendezvousSpec)
@@ -96,8 +103,10 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(
                 f"virtual_local_rank needs one GPU per worker: nproc {self.nproc}, gpus {self.gpus}"
             )
-        if (self.redirects != "0" or self.tee != "0") and self.log_dir is None:
-            raise ValueError("redirects and tee write files: set log_dir")
+        writes_files = self.redirects != "0" or self.tee != "0"
+        filters = self.duplicate_stdout_filters or self.duplicate_stderr_filters
+        if (writes_files or filters) and self.log_dir is None:
+            raise ValueError("redirects, tee and duplicate filters write files: set log_dir")
 
 
 class Failure(msgspec.Struct, kw_only=True):
