@@ -79,6 +79,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dumps_kept: PositiveInt = 100
     kill_grace: Annotated[float, msgspec.Meta(ge=0)] | None = 10.0
     """SIGKILL a process still alive this long after its timer's signal (None: never)."""
+    gpu_health: bool = False
+    """Watch NVML for XID and double-bit ECC errors; groups on a faulty GPU go UNHEALTHY."""
     metrics_listen: str | None = None
     """``PORT`` (loopback) or ``HOST:PORT`` for ``/metrics`` and ``/healthz``; None: off."""
     health_max_lag: Annotated[float, msgspec.Meta(gt=0)] = 1.0

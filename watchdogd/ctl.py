@@ -78,9 +78,28 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
         _print_json(info)
         return
     requests = info.pop("requests")
+    gpus, gpu_note = info.pop("gpus"), info.pop("gpu_note")
     rows = [(key.replace("_", " "), value) for key, value in info.items()]
     rows += [(f"requests {name}", count) for name, count in sorted(requests.items())]
     print(tabulate(rows, tablefmt="plain"))
+    print()
+    if not gpus:
+        print(f"GPUs: {gpu_note or 'none'}")
+        return
+    gpu_rows = [
+        (
+            g.index,
+            g.name,
+            f"{g.memory_used_mib}/{g.memory_total_mib} MiB",
+            f"{g.temperature_c} C",
+            " ".join(
+                f"{proc.pid}" + (f"({proc.group}:{proc.rank})" if proc.group else "")
+                for proc in g.processes
+            ),
+        )
+        for g in status.gpus
+    ]
+    print(tabulate(gpu_rows, headers=["GPU", "NAME", "MEMORY", "TEMP", "PROCESSES (GROUP:RANK)"]))
 
 
 def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:

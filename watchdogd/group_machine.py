@@ -9,8 +9,9 @@ Rules
   later (HEALTHY -> STOPPING). Once all have exited: STOPPING -> STOPPED, then
   STOPPED -> HEALTHY with a new attempt while restarts remain, else
   STOPPED -> FAILED.
-- A worker stuck in D state: HEALTHY -> UNHEALTHY at once, every worker gets
-  SIGKILL, and there is no restart (the node itself is suspect).
+- A worker stuck in D state, or a fatal fault of a GPU it uses:
+  HEALTHY -> UNHEALTHY at once, every worker gets SIGKILL, and there is no
+  restart (the node itself is suspect).
 - ``stop`` (operator, shutdown): every worker is stopped, ending in STOPPED.
 - ``restart`` (operator) and ``membership_changed`` (a node joined) stop the
   workers and start a new attempt without spending a restart.
@@ -105,11 +106,13 @@ class GroupMachine:
 
     def worker_stuck(self, local_rank: int, now: float) -> list[Action]:
         """A worker stayed in D state past the timeout."""
+        return self.unhealthy(f"local rank {local_rank} stuck in D state", now)
+
+    def unhealthy(self, reason: str, now: float) -> list[Action]:
+        """The node cannot run this group (D state, a GPU fault): stop, no restart."""
         if self.state not in (S.HEALTHY, S.STOPPING):
             return []
-        actions: list[Action] = [
-            self._move(S.UNHEALTHY, f"local rank {local_rank} stuck in D state")  # -> UNHEALTHY
-        ]
+        actions: list[Action] = [self._move(S.UNHEALTHY, reason)]  # -> UNHEALTHY
         if self.alive:
             actions.append(Signal(tuple(sorted(self.alive)), signal.SIGKILL))
         self._kill_at = None

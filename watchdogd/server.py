@@ -26,6 +26,8 @@ from typing import Literal
 
 import anyio
 import anyio.abc
+import anyio.from_thread
+import anyio.lowlevel
 
 from watchdogd_client import protocol as p
 from watchdogd_client.events import Event, EventSource, record, register_handler
@@ -44,6 +46,7 @@ from .endpoints import (
 )
 from .eventlog import EventLog
 from .fifo import FifoFront
+from .gpus import XidWatcher, read_gpus
 from .metrics import HealthServer, LoopMonitor, Metrics, parse_listen
 from .policy import Policy, Requester, Target, check, valid_signals
 from .procs import ProcessHandle, ancestors, open_process
@@ -162,6 +165,7 @@ class Daemon:
                 tg.start_soon(self._notify_loop)
                 tg.start_soon(self.loop_monitor.run)
                 self._start_http(cleanup)
+                self._start_gpu_watch(cleanup)
                 self.supervisor.attach(tg)
                 self.reaper.attach(tg)
                 self.emit(
@@ -368,6 +372,30 @@ class Daemon:
         self.http_address = server.address
         self.emit("metrics_listening", address=f"{server.address[0]}:{server.address[1]}")
 
+    def _start_gpu_watch(self, cleanup: contextlib.ExitStack) -> None:
+        if not self.config.gpu_health:
+            return
+        token = anyio.lowlevel.current_token()
+
+        def from_thread(index: int, description: str) -> None:
+            anyio.from_thread.run_sync(self.gpu_fault, index, description, token=token)
+
+        watcher = XidWatcher(from_thread)
+        if watcher.start():
+            cleanup.callback(watcher.stop)
+        else:
+            log.warning("gpu_health is on but GPUs cannot be watched: %s", watcher.unavailable)
+
+    def gpu_fault(self, index: int, description: str) -> None:
+        """A GPU reported a fatal error: the groups that may use it are UNHEALTHY."""
+        self.emit("gpu_fault", gpu=index, fault=description)
+        if index < 0:
+            return
+        for runner in self.supervisor.groups.values():
+            if not runner.finished.is_set() and runner.uses_gpu(index):
+                with contextlib.suppress(GroupError):
+                    runner.mark_unhealthy(f"GPU {index}: {description}")
+
     def _unlink_socket(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -557,6 +585,12 @@ class Daemon:
         ]
 
     def status(self, seq: int) -> p.StatusInfo:
+        workers = {
+            worker.pid: (runner.spec.name, worker.rank)
+            for runner in self.supervisor.groups.values()
+            for worker in runner.workers.values()
+        }
+        gpus, gpu_note = read_gpus(workers)
         return p.StatusInfo(
             seq=seq,
             version=__version__,
@@ -572,4 +606,6 @@ class Daemon:
             signalled=self.counts["signalled"],
             refused=self.counts["refused"],
             bad_input=self.counts["bad_input"],
+            gpus=gpus,
+            gpu_note=gpu_note,
         )

@@ -134,6 +134,7 @@ class GroupRunner:
         self.routes = stream_routes(spec)
         self.gpus = self._assign_gpus()
         self.finished = anyio.Event()
+        self._unhealthy_reason = ""
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[tuple[str, int, int]](
             math.inf
         )
@@ -171,6 +172,16 @@ class GroupRunner:
 
     def restart(self) -> None:
         self._control("restart")
+
+    def mark_unhealthy(self, reason: str) -> None:
+        self._unhealthy_reason = reason
+        self._control("unhealthy")
+
+    def uses_gpu(self, index: int) -> bool:
+        """Whether any worker may see GPU ``index`` (all of them, if unrestricted)."""
+        return any(
+            devices is None or str(index) in devices.split(",") for devices in self.gpus.values()
+        )
 
     def _control(self, command: str) -> None:
         if self.finished.is_set():
@@ -226,6 +237,8 @@ class GroupRunner:
                     return self.machine.stop(now)
                 case "restart":
                     return self.machine.restart(now)
+                case "unhealthy":
+                    return self.machine.unhealthy(self._unhealthy_reason, now)
         now = time.monotonic()
         return self.machine.tick(now) + self._sample_d_state(now)
 

@@ -49,6 +49,8 @@ __all__ = [
     "GetDump",
     "GetEvents",
     "GetStatus",
+    "GpuInfo",
+    "GpuProcess",
     "GroupList",
     "Hello",
     "ListDumps",
@@ -260,6 +262,22 @@ class TimerList(msgspec.Struct, tag="timer_list", tag_field="op"):
     total: int
 
 
+class GpuProcess(msgspec.Struct, kw_only=True):
+    pid: int
+    used_mib: int | None
+    group: str | None = None
+    rank: int | None = None
+
+
+class GpuInfo(msgspec.Struct, kw_only=True):
+    index: int
+    name: str
+    memory_used_mib: int
+    memory_total_mib: int
+    temperature_c: int
+    processes: list[GpuProcess]
+
+
 class StatusInfo(msgspec.Struct, tag="status_info", tag_field="op", kw_only=True):
     seq: int
     version: str
@@ -275,6 +293,9 @@ class StatusInfo(msgspec.Struct, tag="status_info", tag_field="op", kw_only=True
     signalled: int
     refused: int
     bad_input: int
+    gpus: list[GpuInfo] = []
+    gpu_note: str | None = None
+    """Why there is no GPU information (no NVML, no driver, no GPU)."""
 
 
 class EventBatch(msgspec.Struct, tag="event_batch", tag_field="op"):
