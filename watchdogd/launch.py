@@ -84,6 +84,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--monitor-interval", type=float, default=0.1,
           help="accepted for compatibility: exits are seen at once")  # fmt: skip
     _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
+    parser.add_argument("--event-log", metavar="FILE", help="append events as JSON lines to FILE")
     parser.add_argument(
         "training_script", nargs="?", metavar="SCRIPT", help="script, module, or -- CMD ARGS"
     )
@@ -207,6 +208,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
     timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")
     if timer_file and config.fifo is None:
         config = msgspec.structs.replace(config, fifo=timer_file)  # serve torch's path
+    if args.event_log:
+        config = msgspec.structs.replace(config, event_log=args.event_log)
     health_port = os.environ.get("TORCHELASTIC_HEALTH_CHECK_PORT")
     if health_port and config.metrics_listen is None:
         config = msgspec.structs.replace(config, metrics_listen=health_port)
