@@ -10,13 +10,17 @@
 Transports: :class:`SocketTimerClient` (the daemon's Unix socket, identity
 from the kernel) and :class:`FileTimerClient` (torch's FIFO wire format).
 Both implement torch's ``TimerClient``, so they also work with
-``torch.distributed.elastic.timer.configure``/``expires``. Imports nothing
-beyond the standard library and msgspec.
+``torch.distributed.elastic.timer.configure``/``expires``. Without a daemon,
+:class:`LocalTimerServer`/:class:`LocalTimerClient` let a parent reap the
+workers it started; :class:`TimerRequest`, :class:`RequestQueue` and
+:class:`TimerServer` are torch's extension points for a pair of your own.
+Imports nothing beyond the standard library and msgspec.
 """
 
 from __future__ import annotations
 
 from . import events, protocol
+from ._api import RequestQueue, TimerRequest, TimerServer, log_debug_info_for_expired_timers
 from ._errors import (
     DaemonUnavailableError,
     FifoFullError,
@@ -26,6 +30,7 @@ from ._errors import (
     WatchdogError,
 )
 from ._fifo import FileTimerClient
+from ._local import LocalTimerClient, LocalTimerServer, MultiprocessingRequestQueue
 from ._paths import default_fifo_path, default_runtime_dir, default_socket_path
 from ._socket import SocketTimerClient
 from ._timer import TimerClient, configure, expires, get_client
@@ -34,11 +39,17 @@ __all__ = [
     "DaemonUnavailableError",
     "FifoFullError",
     "FileTimerClient",
+    "LocalTimerClient",
+    "LocalTimerServer",
+    "MultiprocessingRequestQueue",
     "NotConfiguredError",
     "ProtocolError",
     "RequestError",
+    "RequestQueue",
     "SocketTimerClient",
     "TimerClient",
+    "TimerRequest",
+    "TimerServer",
     "WatchdogError",
     "configure",
     "default_fifo_path",
@@ -48,6 +59,7 @@ __all__ = [
     "expires",
     "get_client",
     "list_timers",
+    "log_debug_info_for_expired_timers",
     "status",
 ]
 
