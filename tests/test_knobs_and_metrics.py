@@ -194,13 +194,13 @@ async def test_healthz_goes_503_while_the_loop_is_blocked(short_dir: Path) -> No
         answers: list[tuple[int, Any]] = []
 
         def ask_later() -> None:
-            time.sleep(0.8)
+            time.sleep(1.4)
             status, body = get(url)
             answers.append((status, json.loads(body)))
 
         asker = threading.Thread(target=ask_later)
         asker.start()
-        time.sleep(1.5)  # noqa: ASYNC251 - blocking the daemon's loop is the point
+        time.sleep(2.0)  # noqa: ASYNC251 - blocking the daemon's loop is the point
         await anyio.to_thread.run_sync(asker.join)
         ((status, health),) = answers
         assert status == 503

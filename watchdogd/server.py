@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -51,14 +51,7 @@ from .metrics import HealthServer, LoopMonitor, Metrics, parse_listen
 from .policy import Policy, Requester, Target, check, valid_signals
 from .procs import ProcessHandle, ancestors, open_process
 from .reaper import Reaper
-from .snapshot import (
-    FORMAT_VERSION,
-    SNAPSHOT_NAME,
-    Snapshot,
-    SnapshotTimer,
-    read_snapshot,
-    write_snapshot,
-)
+from .snapshot import SNAPSHOT_NAME, SnapshotTimer, SnapshotWriter, read_snapshot
 from .supervisor import GroupError, Supervisor
 from .systemd import Notifier, is_fifo, is_listening_unix_socket, listen_fds
 from .timers import TimerTable
@@ -82,6 +75,8 @@ class Daemon:
         self.fifo_path = config.fifo_path()
         self.table = TimerTable()
         self.processes: dict[int, ProcessHandle] = {}
+        # pid -> (requester, signal) pairs the policy allowed, until the process exits.
+        self._approved: dict[int, set[tuple[Requester, int]]] = {}
         self.requests: Counter[str] = Counter()
         self.counts: Counter[str] = Counter()
         self.connections = 0
@@ -96,7 +91,8 @@ class Daemon:
         self.events = EventLog(config.event_ring_size)
         self.notifier = Notifier()
         self.snapshot_path = config.state_path() / SNAPSHOT_NAME
-        self._dirty = anyio.Event()
+        self._dirty = False
+        self._dirty_event = anyio.Event()
         self._activated = False
         self.http_address: tuple[str, int] | None = None
         # Worker pids this daemon launched (pid -> group): FIFO requests may target them.
@@ -229,25 +225,35 @@ class Daemon:
     # -- persistence and systemd -----------------------------------------------
 
     def _mark_dirty(self) -> None:
-        if not self._dirty.is_set():
-            self._dirty.set()
+        if not self._dirty:  # a plain bool on the hot path; the event only on the edge
+            self._dirty = True
+            self._dirty_event.set()
 
     async def _snapshot_loop(self) -> None:
-        """Write the snapshot after changes, at most once per ``snapshot_interval``."""
+        """Rewrite the snapshot after changes, spending at most ~10 % of the loop on it."""
         while True:
-            await self._dirty.wait()
-            self._dirty = anyio.Event()
-            snapshot = self._snapshot()
-            await anyio.to_thread.run_sync(write_snapshot, self.snapshot_path, snapshot)
-            await anyio.sleep(self.config.snapshot_interval)
+            await self._dirty_event.wait()
+            self._dirty_event = anyio.Event()
+            self._dirty = False
+            started = time.monotonic()
+            writer = SnapshotWriter(self.snapshot_path, time.time())
+            try:
+                for chunk in self._snapshot_chunks():
+                    writer.write(chunk)
+                    await anyio.lowlevel.checkpoint()  # let requests and expiries in between chunks
+                await anyio.to_thread.run_sync(writer.commit)
+            except BaseException:
+                writer.abort()
+                raise
+            spent = time.monotonic() - started
+            await anyio.sleep(max(self.config.snapshot_interval, 10 * spent))
 
-    def _snapshot(self) -> Snapshot:
+    def _snapshot_chunks(self, size: int = 5000) -> Iterator[list[SnapshotTimer]]:
         now, wall = time.monotonic(), time.time()
         processes = self.processes
-        return Snapshot(
-            FORMAT_VERSION,
-            wall,
-            [
+        entries = self.table.entries()
+        for start in range(0, len(entries), size):
+            yield [
                 SnapshotTimer(
                     t.pid,
                     processes[t.pid].start_time,
@@ -257,14 +263,16 @@ class Daemon:
                     t.source,
                     t.uid,
                 )
-                for t in self.table
-                if t.pid in processes
-            ],
-        )
+                for t in entries[start : start + size]
+                if t.live and t.pid in processes
+            ]
 
     def _write_snapshot(self) -> None:
         try:
-            write_snapshot(self.snapshot_path, self._snapshot())
+            writer = SnapshotWriter(self.snapshot_path, time.time())
+            for chunk in self._snapshot_chunks():
+                writer.write(chunk)
+            writer.commit()
         except OSError as e:
             log.error("cannot write snapshot %s: %s", self.snapshot_path, e.strerror)
 
@@ -273,9 +281,10 @@ class Daemon:
         snapshot = read_snapshot(self.snapshot_path)
         if snapshot is None:
             return
+        header, saved_timers = snapshot
         now, wall = time.monotonic(), time.time()
         gone = 0
-        for saved in snapshot.timers:
+        for saved in saved_timers:
             handle = self.processes.get(saved.pid)
             if handle is None:
                 try:
@@ -299,7 +308,7 @@ class Daemon:
             path=str(self.snapshot_path),
             timers=len(self.table),
             dropped=gone,
-            age_s=round(wall - snapshot.written_at, 3),
+            age_s=round(wall - header.written_at, 3),
         )
 
     async def _notify_loop(self) -> None:
@@ -340,6 +349,7 @@ class Daemon:
         self.limits = config.limits
         self.fifo_front.splitter.max_line = config.limits.max_line
         self._policy = self._build_policy()
+        self._approved.clear()
         self.admin_gid = self._lookup_admin_gid()
         for name in old_groups - new_groups.keys():
             with contextlib.suppress(GroupError):
@@ -464,16 +474,11 @@ class Daemon:
                 return "no_such_process", f"no process with pid {pid}"
             except OSError as e:
                 return "refused", f"cannot watch pid {pid}: {e.strerror}"
-        refusal = check(
-            self._policy,
-            requester,
-            Target(pid, handle.uid, handle.kernel_thread, pid in self.supervised),
-            signal,
-        )
+        refusal = self._permitted(requester, handle, signal)
         if refusal is not None:
             if new_handle:
                 handle.close()
-            return refusal.code, refusal.reason
+            return refusal
         if new_handle:
             self.watch_process(handle)
         deadline = time.monotonic() + (expiration_time - time.time())
@@ -505,13 +510,23 @@ class Daemon:
         return None
 
     def _check_existing(self, requester: Requester, pid: int) -> ErrorReply | None:
-        handle = self.processes[pid]
-        refusal = check(
-            self._policy, requester, Target(pid, handle.uid, supervised=pid in self.supervised), 0
-        )
-        return None if refusal is None else (refusal.code, refusal.reason)
+        return self._permitted(requester, self.processes[pid], 0)
 
-    # -- processes ---------------------------------------------------------------
+    def _permitted(
+        self, requester: Requester, handle: ProcessHandle, signal: int
+    ) -> ErrorReply | None:
+        """The policy's verdict, remembered per process: a trainer arms the same timer often."""
+        approved = self._approved.get(handle.pid)
+        if approved is not None and (requester, signal) in approved:
+            return None
+        target = Target(handle.pid, handle.uid, handle.kernel_thread, handle.pid in self.supervised)
+        refusal = check(self._policy, requester, target, signal)
+        if refusal is not None:
+            return refusal.code, refusal.reason
+        if approved is None:
+            approved = self._approved[handle.pid] = set()
+        approved.add((requester, signal))
+        return None
 
     def watch_process(self, handle: ProcessHandle) -> None:
         self.processes[handle.pid] = handle
@@ -523,6 +538,7 @@ class Daemon:
         if self.processes.get(handle.pid) is handle:
             del self.processes[handle.pid]
         self.reaper.forget(handle)
+        self._approved.pop(handle.pid, None)
         dropped = self.table.release_pid(handle.pid)
         if dropped:
             self._mark_dirty()

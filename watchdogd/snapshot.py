@@ -8,7 +8,9 @@ clock is per boot, and a timer never needs to outlive a boot: its process
 does not).
 
 Writes go to a temporary file that is fsync'ed and renamed over the old one,
-so a crash mid-write leaves the previous snapshot whole.
+so a crash mid-write leaves the previous snapshot whole. The file is written
+in chunks (a header, then frames of a few thousand timers), so that the
+daemon never stalls on, or doubles its memory for, a large table.
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ from typing import Literal
 import msgspec
 
 __all__ = [
-    "FORMAT_VERSION",
     "SNAPSHOT_NAME",
-    "Snapshot",
+    "SnapshotHeader",
     "SnapshotTimer",
+    "SnapshotWriter",
     "read_snapshot",
-    "write_snapshot",
 ]
 
 SNAPSHOT_NAME = "timers.snapshot"
@@ -43,41 +44,73 @@ class SnapshotTimer(msgspec.Struct, array_like=True, gc=False):
     uid: int
 
 
-class Snapshot(msgspec.Struct):
+class SnapshotHeader(msgspec.Struct):
     version: int
     written_at: float
-    timers: list[SnapshotTimer]
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Snapshot)
+_header_decoder = msgspec.msgpack.Decoder(SnapshotHeader)
+_chunk_decoder = msgspec.msgpack.Decoder(list[SnapshotTimer])
+_LENGTH = 4
 
 
-def write_snapshot(path: Path, snapshot: Snapshot) -> None:
-    """Replace ``path`` with ``snapshot``, atomically."""
-    data = _encoder.encode(snapshot)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary, path)
+class SnapshotWriter:
+    """Writes a snapshot chunk by chunk, so no copy of a large table is ever built.
+
+    The file is a header frame then chunk frames, each a 4-byte length and
+    msgpack. It becomes the snapshot only on :meth:`commit` (fsync, rename).
+    """
+
+    def __init__(self, path: Path, written_at: float) -> None:
+        self.path = path
+        self.temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self._fd = os.open(
+            self.temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
+        )
+        self._frame(_encoder.encode(SnapshotHeader(FORMAT_VERSION, written_at)))
+
+    def write(self, timers: list[SnapshotTimer]) -> None:
+        if timers:
+            self._frame(_encoder.encode(timers))
+
+    def _frame(self, payload: bytes) -> None:
+        data = len(payload).to_bytes(_LENGTH, "big") + payload
+        while data:
+            data = data[os.write(self._fd, data) :]
+
+    def commit(self) -> None:
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+        os.replace(self.temporary, self.path)
+
+    def abort(self) -> None:
+        os.close(self._fd)
+        with contextlib.suppress(FileNotFoundError):
+            self.temporary.unlink()
 
 
-def read_snapshot(path: Path) -> Snapshot | None:
+def read_snapshot(path: Path) -> tuple[SnapshotHeader, list[SnapshotTimer]] | None:
     """The snapshot at ``path``; None when there is none or it cannot be read."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
     try:
-        snapshot = _decoder.decode(data)
-    except msgspec.DecodeError:
+        frames = []
+        offset = 0
+        while offset < len(data):
+            size = int.from_bytes(data[offset : offset + _LENGTH], "big")
+            frames.append(data[offset + _LENGTH : offset + _LENGTH + size])
+            offset += _LENGTH + size
+        header = _header_decoder.decode(frames[0])
+        timers = [timer for frame in frames[1:] for timer in _chunk_decoder.decode(frame)]
+    except (msgspec.DecodeError, IndexError):
         with contextlib.suppress(OSError):
             path.rename(path.with_suffix(".corrupt"))
         return None
-    if snapshot.version != FORMAT_VERSION:
+    if header.version != FORMAT_VERSION:
         return None
-    return snapshot
+    return header, timers

@@ -37,10 +37,10 @@ __all__ = ["DumpInfo", "StackStore", "capture_faulthandler", "capture_pyspy"]
 
 Method = Literal["faulthandler", "py-spy"]
 _HEADER = "# watchdogd stack dump "
-_POLL = 0.005
+_POLL = 0.002
 # faulthandler writes the whole dump from its signal handler at once; a file
 # that stopped growing for this long holds all of it.
-_QUIET = 0.02
+_QUIET = 0.008
 
 
 class StackStore:

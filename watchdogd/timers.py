@@ -66,6 +66,10 @@ class TimerTable:
         for scopes in self._by_pid.values():
             yield from scopes.values()
 
+    def entries(self) -> list[Timer]:
+        """A cheap copy (one list of references) holding every live timer; skip ``not .live``."""
+        return list(self._heap)
+
     def pids(self) -> list[int]:
         return list(self._by_pid)
 

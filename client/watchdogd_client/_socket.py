@@ -18,6 +18,7 @@ import os
 import select
 import signal as _signal
 import socket
+import time
 import weakref
 from collections.abc import Iterator
 from typing import TypeVar
@@ -136,9 +137,8 @@ class SocketTimerClient(TimerClient):
         if not follow:
             return
         sock = self._connected()
-        sock.settimeout(None)  # events come when they happen
         while True:
-            reply = self._next_reply(sock)
+            reply = self._next_reply(sock, wait=None)  # events come when they happen
             if isinstance(reply, p.EventBatch) and reply.seq == first.seq:
                 yield reply
 
@@ -199,16 +199,43 @@ class SocketTimerClient(TimerClient):
         data = len(payload).to_bytes(p.FRAME_HEADER_SIZE, "big") + payload
         sock = self._sock or self._connect()
         try:
-            sock.sendall(data)
+            self._sendall(sock, data)
+        except DaemonUnavailableError:
+            raise
         except OSError:
             # The daemon went away (restart, upgrade): reconnect once, re-arm
             # what we hold, then send this request.
             self.close()
             sock = self._connect()
-            sock.sendall(data)
+            self._sendall(sock, data)
         seq = self._next_seq
         self._next_seq += 1
         return seq
+
+    def _sendall(self, sock: socket.socket, data: bytes) -> None:
+        """Send without waiting when the kernel has room (the usual case), else wait, bounded.
+
+        The socket is non-blocking: a blocking one with a timeout costs a
+        ``poll`` per send, which is most of the price of an ``acquire``.
+        """
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        rest = memoryview(data)[sent:]
+        room = select.poll()
+        room.register(sock, select.POLLOUT)
+        deadline = time.monotonic() + self.timeout
+        while rest:
+            if not room.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                self.close()
+                raise DaemonUnavailableError(self.path, "the daemon stopped reading requests")
+            try:
+                rest = rest[sock.send(rest) :]
+            except BlockingIOError:
+                continue
 
     def _raise_pending(self) -> None:
         sock = self._sock
@@ -237,6 +264,7 @@ class SocketTimerClient(TimerClient):
         try:
             sock.sendall(p.frame(_encoder.encode(hello)))
             fds = self._recv_welcome(sock)
+            sock.setblocking(False)
             welcome = self._next_reply(sock)
         except DaemonUnavailableError:
             self.close()
@@ -253,7 +281,8 @@ class SocketTimerClient(TimerClient):
         for fd in fds:
             os.close(fd)
         for scope_id, (expiration_time, signal) in self._held.items():
-            sock.sendall(p.frame(_encoder.encode(p.Acquire(scope_id, expiration_time, signal))))
+            rearm = p.Acquire(scope_id, expiration_time, signal)
+            self._sendall(sock, p.frame(_encoder.encode(rearm)))
             self._next_seq += 1
         return sock
 
@@ -282,25 +311,30 @@ class SocketTimerClient(TimerClient):
             os.close(self._stack_fd)  # the previous daemon's file
         self._stack_fd = fd
 
-    def _next_reply(self, sock: socket.socket) -> p.Reply:
+    def _next_reply(self, sock: socket.socket, wait: float | None = -1.0) -> p.Reply:
+        """The next reply, waiting up to ``wait`` seconds (-1: the client's timeout)."""
+        timeout = self.timeout if wait is not None and wait < 0 else wait
         while True:
             reply = self._pop_frame()
             if reply is not None:
                 return reply
-            self._recv(sock)
+            self._recv(sock, timeout)
 
     def _read_available(self, sock: socket.socket) -> None:
-        self._recv(sock)
+        self._recv(sock, 0)
         while (reply := self._pop_frame()) is not None:
             if isinstance(reply, p.Error):
                 self._errors.append(RequestError(reply.code, reply.message, reply.seq))
 
-    def _recv(self, sock: socket.socket) -> None:
+    def _recv(self, sock: socket.socket, timeout: float | None) -> None:
+        """Read what has arrived, waiting up to ``timeout`` seconds (None: forever)."""
+        if not self._poller.poll(None if timeout is None else timeout * 1000):
+            self.close()
+            raise DaemonUnavailableError(self.path, f"no reply within {timeout}s")
         try:
             chunk = sock.recv(1 << 16)
-        except TimeoutError:
-            self.close()
-            raise DaemonUnavailableError(self.path, "no reply within timeout") from None
+        except BlockingIOError:
+            return
         except OSError as e:
             self.close()
             raise DaemonUnavailableError(self.path, e.strerror or type(e).__name__) from None
