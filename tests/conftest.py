@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -73,6 +74,12 @@ def python(
         text=True,
         **popen,
     )
+
+
+def fifo_line(pid: int, scope: str, expiration: float, sig: int = 9) -> bytes:
+    """One request in torch's FIFO wire format."""
+    request = {"version": 1, "pid": pid, "scope_id": scope, "expiration_time": expiration}
+    return json.dumps({**request, "signal": sig}).encode() + b"\n"
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -22,7 +21,7 @@ from watchdogd import Daemon, EndpointError
 from watchdogd.config import Limits
 from watchdogd_client import protocol as p
 
-from .conftest import exit_code, python, running_daemon, wait_for
+from .conftest import exit_code, fifo_line, python, running_daemon, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -67,21 +66,6 @@ def fifo_write(path: Path, data: bytes) -> None:
         os.write(fd, data)
     finally:
         os.close(fd)
-
-
-def fifo_line(pid: int, scope: str, expiration: float, sig: int = 9) -> bytes:
-    return (
-        json.dumps(
-            {
-                "version": 1,
-                "pid": pid,
-                "scope_id": scope,
-                "expiration_time": expiration,
-                "signal": sig,
-            }
-        ).encode()
-        + b"\n"
-    )
 
 
 # -- expiry and kill ---------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,7 +17,7 @@ import pytest
 
 import watchdogd_client as wd
 
-from .conftest import REPO, wait_until
+from .conftest import REPO, fifo_line, wait_until
 
 
 def which_or_skip(name: str) -> str:
@@ -222,21 +221,6 @@ client.sync()
 print("armed", flush=True)
 sys.stdin.readline()
 """
-
-
-def fifo_line(pid: int, scope: str, expiration: float, sig: int = 9) -> bytes:
-    return (
-        json.dumps(
-            {
-                "version": 1,
-                "pid": pid,
-                "scope_id": scope,
-                "expiration_time": expiration,
-                "signal": sig,
-            }
-        ).encode()
-        + b"\n"
-    )
 
 
 def test_sigkill_and_restart_loses_no_timer_and_no_fifo_request(short_dir: Path) -> None:

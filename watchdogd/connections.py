@@ -24,7 +24,7 @@ from watchdogd_client import protocol as p
 
 from .framing import FrameSplitter, FrameTooLargeError
 from .policy import Requester
-from .procs import open_process, supplementary_groups
+from .procs import ProcessHandle, open_process
 from .supervisor import GroupError
 
 TYPE_CHECKING = False
@@ -36,6 +36,28 @@ __all__ = ["SocketFront"]
 log = logging.getLogger("watchdogd")
 
 _UCRED = struct.Struct("3i")
+# Linux socket options the socket module does not name (linux/asm-generic/socket.h).
+_SO_PEERGROUPS = 59
+_SO_PEERPIDFD = 77
+_MAX_GROUPS = 1024
+
+
+def _pin_peer(raw: socket.socket, pid: int) -> ProcessHandle | None:
+    """The peer process itself, by the pidfd the kernel took at connect (Linux 6.5+).
+
+    A request with no pid targets this very process, never a later one that
+    got its number after it exited. None where the kernel cannot say.
+    """
+    try:
+        pidfd = raw.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+    except OSError:
+        return None
+    try:
+        return open_process(pid, pidfd)
+    except (ProcessLookupError, OSError):
+        return None
+
+
 _request_decoder = msgspec.msgpack.Decoder(p.Request)
 _reply_encoder = msgspec.msgpack.Encoder()
 _REQUEST_COUNTER = {kind: f"socket.{kind.__struct_config__.tag}" for kind in p.Request.__args__}
@@ -44,7 +66,7 @@ _REQUEST_COUNTER = {kind: f"socket.{kind.__struct_config__.tag}" for kind in p.R
 class _Peer:
     """A socket connection's kernel-checked identity and its request counter."""
 
-    __slots__ = ("admin", "gid", "greeted", "pid", "requester", "seq", "uid")
+    __slots__ = ("admin", "gid", "greeted", "handle", "pid", "requester", "seq", "uid")
 
     def __init__(self, pid: int, uid: int, gid: int, admin: bool) -> None:
         self.pid = pid
@@ -54,6 +76,7 @@ class _Peer:
         self.requester = Requester("socket", uid, admin)
         self.seq = 0
         self.greeted = False
+        self.handle: ProcessHandle | None = None
 
 
 class _WithFd(msgspec.Struct, frozen=True):
@@ -90,22 +113,34 @@ class SocketFront:
                         )
                     )
                 return
-            peer = _Peer(pid, uid, gid, self._is_admin(pid, uid))
+            peer = _Peer(pid, uid, gid, self._is_admin(raw, uid, gid))
+            peer.handle = _pin_peer(raw, pid)
             self.daemon.connections += 1
             try:
                 await self._converse(stream, peer)
             finally:
                 self.daemon.connections -= 1
+                if peer.handle is not None:
+                    peer.handle.close()
 
-    def _is_admin(self, pid: int, uid: int) -> bool:
+    def _is_admin(self, raw: socket.socket, uid: int, gid: int) -> bool:
+        """Root, or in the admin group — by the groups the kernel recorded at connect time.
+
+        Not ``/proc/<peer pid>``: by now that pid may name another process.
+        """
+        admin_gid = self.daemon.admin_gid
         if uid == 0:
             return True
-        if self.daemon.admin_gid is None:
+        if admin_gid is None:
             return False
+        if gid == admin_gid:
+            return True
         try:
-            return self.daemon.admin_gid in supplementary_groups(pid)
-        except ProcessLookupError:
+            data = raw.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * _MAX_GROUPS)
+        except OSError:
             return False
+        groups = struct.unpack(f"{len(data) // 4}I", data)
+        return admin_gid in groups
 
     async def _converse(self, stream: anyio.abc.SocketStream, peer: _Peer) -> None:
         """Serve one connection until it closes or must be closed.
@@ -222,7 +257,7 @@ class SocketFront:
         peer.seq += 1
         try:
             request = _request_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
             self.daemon.bad_input("socket", str(e), payload[:64])
             return p.Error(seq, "bad_request", str(e))
         try:
@@ -258,7 +293,10 @@ class SocketFront:
         match request:
             case p.Acquire(scope_id, expiration_time, signal, pid):
                 target = peer.pid if pid is None else pid
-                error = self.daemon.arm(peer.requester, target, scope_id, expiration_time, signal)
+                pinned = peer.handle if pid is None else None
+                error = self.daemon.arm(
+                    peer.requester, target, scope_id, expiration_time, signal, pinned
+                )
             case p.Release(scope_id, pid):
                 target = peer.pid if pid is None else pid
                 error = self.daemon.release(peer.requester, target, scope_id)
@@ -268,11 +306,8 @@ class SocketFront:
             case p.Sync():
                 return p.Synced(seq)
             case p.ListTimers():
-                return p.TimerList(
-                    seq,
-                    self.daemon.timer_infos(self.daemon.limits.max_listed_timers),
-                    len(self.daemon.table),
-                )
+                # Operators see every timer; others only those on their own processes.
+                return self.daemon.timer_list(seq, None if peer.admin else peer.uid)
             case p.GetStatus():
                 return self.daemon.status(seq)
             case p.GetEvents(since_ms=since_ms, limit=limit, follow=follow):

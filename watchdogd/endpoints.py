@@ -77,6 +77,10 @@ def prepare_dir(path: Path) -> None:
         raise EndpointError(f"cannot create runtime directory {path}: {e.strerror}") from None
     if not stat.S_ISDIR(info.st_mode):
         raise EndpointError(f"{path} is not a directory (a symlink is refused)")
+    if info.st_uid not in (os.geteuid(), 0):
+        raise EndpointError(
+            f"{path} belongs to uid {info.st_uid}, who could replace the endpoints in it"
+        )
     if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
         raise EndpointError(f"{path} is world-writable: anyone could replace the endpoints")
 
@@ -131,9 +135,16 @@ def open_fifo(path: Path, mode: int = 0o620, gid: int = -1, pipe_size: int = 1 <
         fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise EndpointError(f"cannot open FIFO {path}: {e.strerror}") from None
-    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISFIFO(info.st_mode):
         os.close(fd)
         raise EndpointError(f"{path} exists and is not a FIFO; refusing to use it")
+    if info.st_uid != os.geteuid():
+        os.close(fd)
+        raise EndpointError(
+            f"{path} is a FIFO owned by uid {info.st_uid}, not by this daemon; "
+            "remove it or choose another path"
+        )
     # Through the descriptor: whatever the path holds now, we change what we opened.
     os.fchown(fd, -1, gid)
     os.fchmod(fd, mode)

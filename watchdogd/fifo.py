@@ -86,7 +86,7 @@ class FifoFront:
     def _decode(self, line: bytes) -> p.FileTimerRequest | None:
         try:
             return _decoder.decode(line)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
             error = e
         # A writer that wrote half a line glues it to the next writer's whole
         # one; every request is a flat object, so the last '{' starts the one
@@ -94,7 +94,9 @@ class FifoFront:
         start = line.rfind(b"{")
         salvaged = None
         if start > 0:
-            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+            with contextlib.suppress(
+                msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError
+            ):
                 salvaged = _decoder.decode(line[start:])
         self.daemon.bad_input("fifo", str(error), line[:start] if salvaged else line)
         return salvaged

@@ -70,7 +70,8 @@ def check(policy: Policy, requester: Requester, target: Target, signal: int) -> 
         if requester.admin or requester.uid in (0, target.uid):
             return None
         return _refuse(
-            f"uid {requester.uid} may not arm timers on pid {pid}, which runs as uid {target.uid}"
+            f"uid {requester.uid} may not arm or release timers on pid {pid}, "
+            f"which runs as uid {target.uid}"
         )
     if target.supervised or target.uid in policy.fifo_allowed_uids:
         return None

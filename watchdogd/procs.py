@@ -26,6 +26,7 @@ __all__ = [
 ]
 
 _PF_KTHREAD = 0x00200000
+_PID_MAX = 2**22  # the kernel's ceiling (PID_MAX_LIMIT); anything above is no process
 
 
 class Stat(msgspec.Struct, frozen=True):
@@ -43,13 +44,23 @@ class ProcessHandle(msgspec.Struct):
     kernel_thread: bool
 
     def exited(self) -> bool:
+        if self.pidfd < 0:
+            return True  # closed: we already saw it exit
         poller = select.poll()
         poller.register(self.pidfd, select.POLLIN)
         return bool(poller.poll(0))
 
     def send_signal(self, signal: int) -> None:
         """Signal this very process; ProcessLookupError once it has exited."""
+        if self.pidfd < 0:
+            raise ProcessLookupError(self.pid)
         _signal.pidfd_send_signal(self.pidfd, signal)
+
+    def duplicate(self) -> ProcessHandle:
+        """An independent handle on the same process (its own pidfd)."""
+        return ProcessHandle(
+            self.pid, os.dup(self.pidfd), self.uid, self.start_time, self.kernel_thread
+        )
 
     def close(self) -> None:
         if self.pidfd >= 0:
@@ -89,18 +100,22 @@ def supplementary_groups(pid: int) -> list[int]:
     return [_status_field(pid, b"Gid:")[1], *_status_field(pid, b"Groups:")]
 
 
-def open_process(pid: int) -> ProcessHandle:
-    """Pin process ``pid`` by a pidfd and read who it is; ProcessLookupError if none."""
-    if pid <= 0:
+def open_process(pid: int, pidfd: int | None = None) -> ProcessHandle:
+    """Pin process ``pid`` by a pidfd and read who it is; ProcessLookupError if none.
+
+    ``pidfd``, when given, already pins it (``SO_PEERPIDFD``): it is adopted.
+    """
+    if not 0 < pid <= _PID_MAX:
         raise ProcessLookupError(pid)
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        raise
-    except OSError as e:
-        if e.errno in (errno.ESRCH, errno.EINVAL):
-            raise ProcessLookupError(pid) from e
-        raise  # EMFILE and the like: a resource problem, not a missing process
+    if pidfd is None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise
+        except OSError as e:
+            if e.errno in (errno.ESRCH, errno.EINVAL):
+                raise ProcessLookupError(pid) from e
+            raise  # EMFILE and the like: a resource problem, not a missing process
     try:
         stat = read_stat(pid)
         uid = _read_uid(pid)

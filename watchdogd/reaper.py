@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.abc
 
-from .procs import ProcessHandle
+from .procs import ProcessHandle, read_stat
 from .stacks import DumpInfo, StackStore, capture_faulthandler, capture_pyspy
 from .timers import Timer
 
@@ -142,16 +142,25 @@ class Reaper:
                 method = "faulthandler"
                 path = self.stacks.live_path(timer.pid, handle.start_time)
                 text = await capture_faulthandler(handle, path, registered[1])
-            if text is None and config.stack_dumps in ("auto", "py-spy"):
+            if text is None and config.stack_dumps in ("auto", "py-spy") and not handle.exited():
                 method = "py-spy"
                 text = await capture_pyspy(timer.pid)
-        if text is None:
-            return None
+        if text is None or not self._still_same(handle):
+            return None  # it exited meanwhile: what we read may be a newcomer's stacks
         try:
             return self.stacks.save(timer.pid, timer.scope_id, method, text)
         except OSError as e:
             log.error("cannot save the stack dump of pid %d: %s", timer.pid, e.strerror)
             return None
+
+    @staticmethod
+    def _still_same(handle: ProcessHandle) -> bool:
+        if handle.exited():
+            return False
+        try:
+            return read_stat(handle.pid).start_time == handle.start_time
+        except ProcessLookupError:
+            return False
 
     def _signal(self, timer: Timer, handle: ProcessHandle | None, dump: DumpInfo | None) -> bool:
         daemon = self.daemon
@@ -162,6 +171,9 @@ class Reaper:
         except ProcessLookupError:
             daemon.counts["dropped"] += 1
             daemon.emit("timer_expired", **describe(timer), action="process already gone")
+            return False
+        except OSError as e:
+            daemon.emit("timer_expired", **describe(timer), action=f"signal failed: {e.strerror}")
             return False
         late = time.monotonic() - timer.deadline
         daemon.metrics.expiry_latency.observe(late)

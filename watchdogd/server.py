@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -51,10 +51,16 @@ from .metrics import HealthServer, LoopMonitor, Metrics, parse_listen
 from .policy import Policy, Requester, Target, check, valid_signals
 from .procs import ProcessHandle, ancestors, open_process
 from .reaper import Reaper
-from .snapshot import SNAPSHOT_NAME, SnapshotTimer, SnapshotWriter, read_snapshot
+from .snapshot import (
+    SNAPSHOT_NAME,
+    SnapshotTimer,
+    SnapshotWriter,
+    UntrustedSnapshotError,
+    read_snapshot,
+)
 from .supervisor import GroupError, Supervisor
 from .systemd import Notifier, is_fifo, is_listening_unix_socket, listen_fds
-from .timers import TimerTable
+from .timers import Timer, TimerTable
 
 __all__ = ["Daemon", "EndpointError"]
 
@@ -75,8 +81,8 @@ class Daemon:
         self.fifo_path = config.fifo_path()
         self.table = TimerTable()
         self.processes: dict[int, ProcessHandle] = {}
-        # pid -> (requester, signal) pairs the policy allowed, until the process exits.
-        self._approved: dict[int, set[tuple[Requester, int]]] = {}
+        # pid -> (via, uid, admin, signal) the policy allowed, until the process exits.
+        self._approved: dict[int, set[tuple[str, int, bool, int]]] = {}
         self.requests: Counter[str] = Counter()
         self.counts: Counter[str] = Counter()
         self.connections = 0
@@ -248,7 +254,7 @@ class Daemon:
             spent = time.monotonic() - started
             await anyio.sleep(max(self.config.snapshot_interval, 10 * spent))
 
-    def _snapshot_chunks(self, size: int = 5000) -> Iterator[list[SnapshotTimer]]:
+    def _snapshot_chunks(self, size: int = 1000) -> Iterator[list[SnapshotTimer]]:
         now, wall = time.monotonic(), time.time()
         processes = self.processes
         entries = self.table.entries()
@@ -278,7 +284,11 @@ class Daemon:
 
     def _restore_snapshot(self) -> None:
         """Re-arm the timers of the last run whose processes are still the same ones."""
-        snapshot = read_snapshot(self.snapshot_path)
+        try:
+            snapshot = read_snapshot(self.snapshot_path)
+        except UntrustedSnapshotError as e:
+            self.emit("snapshot_refused", path=str(self.snapshot_path), reason=str(e))
+            return
         if snapshot is None:
             return
         header, saved_timers = snapshot
@@ -446,8 +456,12 @@ class Daemon:
         scope_id: str,
         expiration_time: float,
         signal: int,
+        pinned: ProcessHandle | None = None,
     ) -> ErrorReply | None:
-        """Arm ``(pid, scope_id)``; an error code and message when refused."""
+        """Arm ``(pid, scope_id)``; an error code and message when refused.
+
+        ``pinned``: the process ``pid`` must be (a socket peer, by its pidfd).
+        """
         if not math.isfinite(expiration_time):
             return "bad_request", f"expiration_time must be finite, got {expiration_time}"
         if expiration_time < 0:
@@ -469,7 +483,12 @@ class Daemon:
         new_handle = handle is None
         if handle is None:
             try:
-                handle = open_process(pid)
+                if pinned is not None and pinned.pid == pid:
+                    if pinned.exited():
+                        raise ProcessLookupError(pid)
+                    handle = pinned.duplicate()
+                else:
+                    handle = open_process(pid)
             except ProcessLookupError:
                 return "no_such_process", f"no process with pid {pid}"
             except OSError as e:
@@ -517,7 +536,8 @@ class Daemon:
     ) -> ErrorReply | None:
         """The policy's verdict, remembered per process: a trainer arms the same timer often."""
         approved = self._approved.get(handle.pid)
-        if approved is not None and (requester, signal) in approved:
+        key = (requester.via, requester.uid, requester.admin, signal)
+        if approved is not None and key in approved:
             return None
         target = Target(handle.pid, handle.uid, handle.kernel_thread, handle.pid in self.supervised)
         refusal = check(self._policy, requester, target, signal)
@@ -525,7 +545,7 @@ class Daemon:
             return refusal.code, refusal.reason
         if approved is None:
             approved = self._approved[handle.pid] = set()
-        approved.add((requester, signal))
+        approved.add(key)
         return None
 
     def watch_process(self, handle: ProcessHandle) -> None:
@@ -583,8 +603,19 @@ class Daemon:
 
     # -- queries -----------------------------------------------------------------
 
-    def timer_infos(self, limit: int) -> list[p.TimerInfo]:
-        """The ``limit`` soonest timers, soonest first."""
+    def timer_list(self, seq: int, uid: int | None) -> p.TimerList:
+        """The soonest timers (of processes of ``uid``; all when None), and how many exist."""
+        limit = self.limits.max_listed_timers
+        if uid is None:
+            timers: Iterable[Timer] = self.table
+            total = len(self.table)
+        else:
+            processes = self.processes
+            own = [t for t in self.table if t.pid in processes and processes[t.pid].uid == uid]
+            timers, total = own, len(own)
+        return p.TimerList(seq, self._timer_infos(heapq.nsmallest(limit, timers)), total)
+
+    def _timer_infos(self, timers: list[Timer]) -> list[p.TimerInfo]:
         now = time.monotonic()
         wall = time.time()
         return [
@@ -597,7 +628,7 @@ class Daemon:
                 source=t.source,
                 uid=None if t.uid < 0 else t.uid,
             )
-            for t in heapq.nsmallest(limit, self.table)
+            for t in timers
         ]
 
     def status(self, seq: int) -> p.StatusInfo:

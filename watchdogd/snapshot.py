@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +29,7 @@ __all__ = [
     "SnapshotHeader",
     "SnapshotTimer",
     "SnapshotWriter",
+    "UntrustedSnapshotError",
     "read_snapshot",
 ]
 
@@ -64,10 +67,9 @@ class SnapshotWriter:
 
     def __init__(self, path: Path, written_at: float) -> None:
         self.path = path
-        self.temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        self._fd = os.open(
-            self.temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600
-        )
+        # mkstemp: a fresh name, O_EXCL, 0600 — nothing planted there is followed.
+        self._fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        self.temporary = Path(temporary)
         self._frame(_encoder.encode(SnapshotHeader(FORMAT_VERSION, written_at)))
 
     def write(self, timers: list[SnapshotTimer]) -> None:
@@ -92,12 +94,33 @@ class SnapshotWriter:
             self.temporary.unlink()
 
 
+class UntrustedSnapshotError(Exception):
+    """The snapshot file is not one this daemon wrote: someone else could have."""
+
+
 def read_snapshot(path: Path) -> tuple[SnapshotHeader, list[SnapshotTimer]] | None:
-    """The snapshot at ``path``; None when there is none or it cannot be read."""
+    """The snapshot at ``path``; None when there is none or it cannot be read.
+
+    Raises :class:`UntrustedSnapshotError` for a file that is not ours alone (a
+    symlink, another owner, writable by others): restoring it would let its
+    writer aim timers at any process.
+    """
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise UntrustedSnapshotError(f"{path}: {e.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise UntrustedSnapshotError(f"{path} is not a file owned by uid {os.geteuid()}")
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise UntrustedSnapshotError(f"{path} is writable by others")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    finally:
+        os.close(fd)
     try:
         frames = []
         offset = 0

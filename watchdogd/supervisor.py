@@ -310,19 +310,7 @@ class GroupRunner:
             self.workers[local_rank] = worker
             self.daemon.supervised[worker.pid] = self.spec.name
             _aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
-            self.daemon.emit_at(
-                logging.DEBUG,
-                "worker_started",
-                group=self.spec.name,
-                run_id=self.placement.run_id,
-                global_rank=rank,
-                group_rank=self.placement.group_rank,
-                local_rank=local_rank,
-                worker_id=worker.pid,
-                role=self.spec.role,
-                hostname=self.hostname,
-                attempt=attempt,
-            )
+            self.daemon.emit_at(logging.DEBUG, "worker_started", **self._about(worker))
 
     def _spawn(
         self,
@@ -392,21 +380,27 @@ class GroupRunner:
         self.daemon.emit_at(
             logging.WARNING if failed else logging.DEBUG,
             "worker_failed" if failed else "worker_exited",
-            group=self.spec.name,
-            run_id=self.placement.run_id,
-            global_rank=worker.rank,
-            group_rank=self.placement.group_rank,
-            local_rank=local_rank,
-            worker_id=worker.pid,
-            role=self.spec.role,
-            hostname=self.hostname,
+            **self._about(worker),
             exitcode=exitcode,
             reason=self.last_failure.reason if failed and self.last_failure else None,
             total_run_time=round(time.time() - worker.started, 3),
             raw_error=self.last_failure.error_message if failed and self.last_failure else None,
-            attempt=attempt,
         )
         return self.machine.worker_exited(local_rank, exitcode, now)
+
+    def _about(self, worker: _Worker) -> dict[str, str | int | float | bool | None]:
+        """torch's worker event metadata."""
+        return {
+            "group": self.spec.name,
+            "run_id": self.placement.run_id,
+            "global_rank": worker.rank,
+            "group_rank": self.placement.group_rank,
+            "local_rank": worker.local_rank,
+            "worker_id": worker.pid,
+            "role": self.spec.role,
+            "hostname": self.hostname,
+            "attempt": worker.attempt,
+        }
 
     def _record_failure(self, worker: _Worker, exitcode: int, reason: str) -> None:
         self.last_failure = Failure(
