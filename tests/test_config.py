@@ -58,6 +58,7 @@ def test_flags_override_only_what_they_give(tmp_path: Path) -> None:
 
 def test_the_example_group_spec_decodes() -> None:
     import msgspec
+
     from watchdogd_client.groups import GroupSpec
 
     spec = msgspec.toml.decode((REPO / "examples/group.toml").read_bytes(), type=GroupSpec)

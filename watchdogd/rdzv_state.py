@@ -30,8 +30,8 @@ from typing import Literal
 import msgspec
 
 __all__ = [
+    "Change",
     "Member",
-    "Membership",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
@@ -99,7 +99,7 @@ class RestartCount(msgspec.Struct, frozen=True, kw_only=True):
 
 
 Where = Literal["running", "joined", "waiting", "absent"]
-Membership = Literal["waiting", "lost", "closed"] | None
+Change = Literal["waiting", "lost", "closed"]
 
 
 def _has(members: Iterable[Member], node: str) -> bool:
@@ -159,25 +159,25 @@ def advance(
     queued = _has(participants, me.node) or _has(waiting, me.node)
     if state.complete:
         mine = next((m for m in participants if m.node == me.node), None)
-        if mine is not None and leaving:  # a participant restarts: it leaves its place
+        if mine is not None and leaving:  # participant -> waiting (it restarts)
             participants = tuple(m for m in participants if m.node != me.node)
             waiting += (msgspec.structs.replace(me, rank=mine.rank),)
-        elif not queued:  # a newcomer (or a dropped node) waits for the next round
+        elif not queued:  # newcomer (or a dropped node) -> waiting
             waiting += (me,)
         state = msgspec.structs.replace(state, participants=participants, waiting=waiting)
-        if not participants:  # every participant came back or died
+        if not participants:  # complete -> next round open: all came back or died
             state = _open_next(state, max_nodes)
     else:
         if not queued:
             if len(participants) < max_nodes:
-                participants += (me,)
+                participants += (me,)  # newcomer -> participant
             else:
-                waiting += (me,)
+                waiting += (me,)  # newcomer -> waiting: this round is full
         state = msgspec.structs.replace(state, participants=participants, waiting=waiting)
     if not state.complete:
         full = len(state.participants) >= max_nodes
         if full or (last_call_over and len(state.participants) >= min_nodes):
-            state = _complete(state)
+            state = _complete(state)  # open -> complete: ranks assigned
     return state
 
 
@@ -203,7 +203,7 @@ def waiting_count(state: RoundState, round: int, max_nodes: int) -> int:
 
 def membership(
     state: RoundState, round: int, members: Iterable[str], alive: Set[str], max_nodes: int
-) -> Membership:
+) -> Change | None:
     """Why a node running ``round`` with ``members`` should stop, if it should."""
     if state.closed:
         return "closed"
