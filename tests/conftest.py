@@ -23,6 +23,9 @@ from watchdogd import Config, Daemon
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The real etcd server fixtures (etcd, private_etcd) for the multi-node tests.
+pytest_plugins = ["tests.etcd"]
+
 
 @pytest.fixture
 def anyio_backend() -> tuple[str, dict[str, Any]]:
@@ -37,6 +40,29 @@ def short_dir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pid_namespace() -> list[str]:
+    """The ``unshare`` command line for a fresh pid namespace where ns_last_pid is writable.
+
+    Skips when pid namespaces are unavailable (no unshare(1), not root).
+    """
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare(1) is not installed: cannot force pid reuse")
+    if os.geteuid() != 0:
+        pytest.skip("forcing pid reuse needs root (a pid namespace and ns_last_pid)")
+    command = [unshare, "--pid", "--fork", "--mount-proc"]
+    probe = subprocess.run(
+        [*command, "sh", "-c", "echo 100 > /proc/sys/kernel/ns_last_pid"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a pid namespace or write ns_last_pid: {probe.stderr.strip()}")
+    return command
 
 
 @asynccontextmanager
@@ -76,9 +102,9 @@ def python(
     )
 
 
-def fifo_line(pid: int, scope: str, expiration: float, sig: int = 9) -> bytes:
+def fifo_line(pid: int, scope: str, expiration: float, sig: int = 9, version: int = 1) -> bytes:
     """One request in torch's FIFO wire format."""
-    request = {"version": 1, "pid": pid, "scope_id": scope, "expiration_time": expiration}
+    request = {"version": version, "pid": pid, "scope_id": scope, "expiration_time": expiration}
     return json.dumps({**request, "signal": sig}).encode() + b"\n"
 
 

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 _START_TIMEOUT = 20.0
 
@@ -77,3 +82,35 @@ class EtcdServer:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
         self.proc = None
+
+
+@pytest.fixture(scope="session")
+def etcd_binary() -> str:
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server)")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def etcd(etcd_binary: str) -> Iterator[EtcdServer]:
+    """One etcd for the session; each test uses its own run id."""
+    with tempfile.TemporaryDirectory(prefix="wd-etcd-") as directory:
+        server = EtcdServer(etcd_binary, Path(directory))
+        server.start()
+        try:
+            yield server
+        finally:
+            server.kill()
+
+
+@pytest.fixture
+def private_etcd(etcd_binary: str) -> Iterator[EtcdServer]:
+    """An etcd this test alone may kill and restart."""
+    with tempfile.TemporaryDirectory(prefix="wd-etcd-") as directory:
+        server = EtcdServer(etcd_binary, Path(directory))
+        server.start()
+        try:
+            yield server
+        finally:
+            server.kill()

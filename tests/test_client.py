@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -112,13 +114,17 @@ def test_client_imports_only_stdlib_and_msgspec() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def make_fifo(tmp_path: Path, size: int = 4096) -> tuple[Path, int]:
+@contextmanager
+def fifo_with_reader(tmp_path: Path, size: int = 4096) -> Iterator[tuple[Path, int]]:
     """A FIFO with a reader (so writers may open it) whose buffer holds ``size`` bytes."""
     path = tmp_path / "timer.fifo"
     os.mkfifo(path)
     reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, size)
-    return path, reader
+    try:
+        fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, size)
+        yield path, reader
+    finally:
+        os.close(reader)
 
 
 def fill(path: Path) -> None:
@@ -133,8 +139,7 @@ def fill(path: Path) -> None:
 
 
 def test_fifo_client_waits_for_room_then_delivers(tmp_path: Path) -> None:
-    path, reader = make_fifo(tmp_path)
-    try:
+    with fifo_with_reader(tmp_path) as (path, reader):
         fill(path)
         client = wd.FileTimerClient(path, full_timeout=10)
 
@@ -153,13 +158,10 @@ def test_fifo_client_waits_for_room_then_delivers(tmp_path: Path) -> None:
             123.0,
             os.getpid(),
         )
-    finally:
-        os.close(reader)
 
 
 def test_fifo_client_reports_a_full_pipe_and_delivers_nothing(tmp_path: Path) -> None:
-    path, reader = make_fifo(tmp_path)
-    try:
+    with fifo_with_reader(tmp_path) as (path, reader):
         fill(path)
         client = wd.FileTimerClient(path, full_timeout=0.2)
         with pytest.raises(wd.FifoFullError) as caught:
@@ -170,23 +172,19 @@ def test_fifo_client_reports_a_full_pipe_and_delivers_nothing(tmp_path: Path) ->
         while chunk := os.read(reader, 1 << 16):  # b"" once no writer is left
             drained += chunk
         assert b"lost" not in drained
-    finally:
-        os.close(reader)
 
 
 def test_fifo_client_refuses_lines_longer_than_pipe_buf(tmp_path: Path) -> None:
-    path, reader = make_fifo(tmp_path, size=1 << 16)
-    try:
-        with pytest.raises(ValueError, match="PIPE_BUF"):
-            wd.FileTimerClient(path).acquire("s" * 5000, 1.0)
-    finally:
-        os.close(reader)
+    with (
+        fifo_with_reader(tmp_path, size=1 << 16) as (path, _),
+        pytest.raises(ValueError, match="PIPE_BUF"),
+    ):
+        wd.FileTimerClient(path).acquire("s" * 5000, 1.0)
 
 
 def test_fifo_client_matches_torchs_wire_format(tmp_path: Path) -> None:
     file_based = pytest.importorskip("torch.distributed.elastic.timer.file_based_local_timer")
-    path, reader = make_fifo(tmp_path, size=1 << 16)
-    try:
+    with fifo_with_reader(tmp_path, size=1 << 16) as (path, reader):
         with wd.FileTimerClient(path, signal=15) as ours:
             ours.acquire("scope", 1234.5)
             ours.release("scope")
@@ -203,5 +201,3 @@ def test_fifo_client_matches_torchs_wire_format(tmp_path: Path) -> None:
             "expiration_time": 1234.5,
             "signal": 15,
         }
-    finally:
-        os.close(reader)

@@ -13,20 +13,29 @@ def frame(payload: bytes) -> bytes:
     return len(payload).to_bytes(4, "big") + payload
 
 
+def feed_in_pieces(
+    splitter: LineSplitter | FrameSplitter, stream: bytes, cuts: list[int]
+) -> list[bytes]:
+    """Feed ``stream`` cut at ``cuts`` (those past its end ignored); everything it yields.
+
+    The splitter must hold nothing back at the end.
+    """
+    got: list[bytes] = []
+    start = 0
+    for cut in [*sorted(c for c in cuts if c <= len(stream)), len(stream)]:
+        got.extend(splitter.feed(stream[start:cut]))
+        start = cut
+    assert splitter.pending == 0
+    return got
+
+
 @given(
     lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=20),
     cuts=st.lists(st.integers(0, 2000), max_size=10),
 )
 def test_lines_survive_any_chunking(lines: list[bytes], cuts: list[int]) -> None:
     stream = b"".join(line + b"\n" for line in lines)
-    splitter = LineSplitter(max_line=64)
-    got: list[bytes] = []
-    start = 0
-    for cut in [*sorted(c for c in cuts if c <= len(stream)), len(stream)]:
-        got.extend(splitter.feed(stream[start:cut]))
-        start = cut
-    assert got == lines
-    assert splitter.pending == 0
+    assert feed_in_pieces(LineSplitter(max_line=64), stream, cuts) == lines
 
 
 def test_oversized_line_is_dropped_alone() -> None:
@@ -49,14 +58,7 @@ def test_oversized_line_in_one_chunk() -> None:
 )
 def test_frames_survive_any_chunking(payloads: list[bytes], cuts: list[int]) -> None:
     stream = b"".join(frame(p) for p in payloads)
-    splitter = FrameSplitter(max_frame=64)
-    got: list[bytes] = []
-    start = 0
-    for cut in [*sorted(c for c in cuts if c <= len(stream)), len(stream)]:
-        got.extend(splitter.feed(stream[start:cut]))
-        start = cut
-    assert got == payloads
-    assert splitter.pending == 0
+    assert feed_in_pieces(FrameSplitter(max_frame=64), stream, cuts) == payloads
 
 
 def test_absurd_frame_length_raises_before_buffering() -> None:

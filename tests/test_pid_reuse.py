@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import grp
 import json
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -29,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from .conftest import REPO
+
 NS_SCRIPT = r'''
 import json, os, signal, socket, subprocess, sys, time
 
@@ -36,7 +36,9 @@ import msgspec
 import watchdogd_client as wd
 from watchdogd_client import protocol as p
 
-scenario, runtime_dir, admin_group = sys.argv[1:4]
+scenario, runtime_dir, admin_group, repo = sys.argv[1:5]
+sys.path.insert(0, repo)
+from tests.wire import encode, receive  # noqa: E402
 SOCK = os.path.join(runtime_dir, "watchdogd.sock")
 FIFO = os.path.join(runtime_dir, "timer.fifo")
 EVENTS = os.path.join(runtime_dir, "events.jsonl")
@@ -135,21 +137,7 @@ def counters():
 
 
 def send(sock, message):
-    sock.sendall(p.frame(msgspec.msgpack.encode(message)))
-
-
-def receive(sock):
-    header = b""
-    while len(header) < 4:
-        chunk = sock.recv(4 - len(header))
-        if not chunk:
-            return None
-        header += chunk
-    size = int.from_bytes(header, "big")
-    body = b""
-    while len(body) < size:
-        body += sock.recv(size - len(body))
-    return msgspec.msgpack.decode(body, type=p.Reply)
+    sock.sendall(encode(message))
 
 
 def replies_until_synced(sock):
@@ -413,31 +401,20 @@ def _admin_group() -> str:
     pytest.skip("no spare group on this system to serve as the admin group")
 
 
-@pytest.fixture(scope="module")
-def pid_namespace() -> list[str]:
-    """The ``unshare`` command line, or skip when pid namespaces are unavailable."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        pytest.skip("unshare(1) is not installed: cannot force pid reuse")
-    if os.geteuid() != 0:
-        pytest.skip("forcing pid reuse needs root (a pid namespace and ns_last_pid)")
-    command = [unshare, "--pid", "--fork", "--mount-proc"]
-    probe = subprocess.run(
-        [*command, "sh", "-c", "echo 100 > /proc/sys/kernel/ns_last_pid"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"cannot create a pid namespace or write ns_last_pid: {probe.stderr.strip()}")
-    return command
-
-
 def run_in_namespace(command: list[str], scenario: str, runtime_dir: Path) -> dict[str, Any]:
     """Run the namespace script for ``scenario``; its JSON result."""
     runtime_dir.chmod(0o755)
     done = subprocess.run(
-        [*command, sys.executable, "-c", NS_SCRIPT, scenario, str(runtime_dir), _admin_group()],
+        [
+            *command,
+            sys.executable,
+            "-c",
+            NS_SCRIPT,
+            scenario,
+            str(runtime_dir),
+            _admin_group(),
+            str(REPO),
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -9,15 +9,12 @@ asserted.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -42,38 +39,6 @@ pytestmark = pytest.mark.anyio
 
 TTL = 2
 LAST_CALL = 0.5
-
-
-@pytest.fixture(scope="session")
-def etcd_binary() -> str:
-    binary = shutil.which("etcd")
-    if binary is None:
-        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server)")
-    return binary
-
-
-@pytest.fixture(scope="session")
-def etcd(etcd_binary: str) -> Iterator[EtcdServer]:
-    """One etcd for the session; each test uses its own run id."""
-    with tempfile.TemporaryDirectory(prefix="wd-etcd-") as directory:
-        server = EtcdServer(etcd_binary, Path(directory))
-        server.start()
-        try:
-            yield server
-        finally:
-            server.kill()
-
-
-@pytest.fixture
-def private_etcd(etcd_binary: str) -> Iterator[EtcdServer]:
-    """An etcd this test alone may kill and restart."""
-    with tempfile.TemporaryDirectory(prefix="wd-etcd-") as directory:
-        server = EtcdServer(etcd_binary, Path(directory))
-        server.start()
-        try:
-            yield server
-        finally:
-            server.kill()
 
 
 def new_run() -> str:

@@ -16,14 +16,13 @@ import math
 import multiprocessing as mp
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
 from typing import Any
@@ -32,16 +31,9 @@ import pytest
 
 import watchdogd_client as wd
 
-REPO = Path(__file__).resolve().parent.parent
+from .conftest import REPO, wait_until
+
 LOGGER = "watchdogd_client.timer"
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        time.sleep(0.01)
 
 
 def pidfd_target(fd: int) -> int | None:
@@ -520,25 +512,8 @@ print(json.dumps(result))
 """
 
 
-def unshare_command() -> list[str]:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        pytest.skip("unshare(1) is not installed: cannot force pid reuse")
-    if os.geteuid() != 0:
-        pytest.skip("forcing pid reuse needs root (a pid namespace and ns_last_pid)")
-    command = [unshare, "--pid", "--fork", "--mount-proc"]
-    probe = subprocess.run(
-        [*command, "sh", "-c", "echo 100 > /proc/sys/kernel/ns_last_pid"],
-        capture_output=True,
-        text=True,
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"cannot create a pid namespace or write ns_last_pid: {probe.stderr.strip()}")
-    return command
-
-
-def test_a_reused_pid_is_never_signalled() -> None:
-    command = unshare_command()
+def test_a_reused_pid_is_never_signalled(pid_namespace: list[str]) -> None:
+    command = pid_namespace
     out = subprocess.run(
         [*command, sys.executable, "-c", textwrap.dedent(REUSE_SCRIPT)],
         capture_output=True,

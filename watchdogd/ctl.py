@@ -82,6 +82,14 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
     rows = [(key.replace("_", " "), value) for key, value in info.items()]
     rows += [(f"requests {name}", count) for name, count in sorted(requests.items())]
     print(tabulate(rows, tablefmt="plain"))
+    for group in client.list_groups():
+        rdzv = group.rendezvous
+        if rdzv is not None:
+            print(
+                f"rendezvous {group.name}: {rdzv.backend}, run {rdzv.run_id}, round {rdzv.round}, "
+                f"rank {rdzv.group_rank} of {rdzv.group_world_size} nodes, "
+                f"{rdzv.waiting} waiting"
+            )
     print()
     if not gpus:
         print(f"GPUs: {gpu_note or 'none'}")

@@ -119,6 +119,13 @@ class GroupMachine:
         actions.append(Finished(S.UNHEALTHY))
         return actions
 
+    def fail(self, reason: str, now: float) -> list[Action]:
+        """The attempt failed for a reason outside this node (a peer node was lost)."""
+        if self.state is not S.HEALTHY:
+            return []
+        after: AfterStop = "restart" if self.restarts_left > 0 else "fail"
+        return self._stop_workers(now, after, reason)
+
     def stop(self, now: float, reason: str = "stop requested") -> list[Action]:
         if self.state is S.HEALTHY:
             return self._stop_workers(now, "stop", reason)

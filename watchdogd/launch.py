@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from watchdogd_client.groups import GroupSpec, GroupState, RendezvousSpec
+from watchdogd_client.groups import GroupSpec, GroupState
 
 from . import _aio
 from .config import Config
@@ -53,10 +53,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--master-addr", default="127.0.0.1", help="rank 0's address")
     _flag(parser, "--master-port", type=int, default=None, help="rank 0's port (default: free)")
     _flag(parser, "--max-restarts", type=int, default=0, help="restarts before failing")
-    _flag(parser, "--rdzv-backend", default="static", help="rendezvous backend: static")
-    _flag(parser, "--rdzv-endpoint", default="", help="HOST:PORT of the master (static)")
+    _flag(parser, "--rdzv-backend", default="static", help="static, or etcd (v3 API)")
+    _flag(parser, "--rdzv-endpoint", default="", help="static: the master; etcd: HOST:PORT,…")
     _flag(parser, "--rdzv-id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
-    _flag(parser, "--rdzv-conf", default="", help="accepted for compatibility")
+    _flag(parser, "--rdzv-conf", default="", help="etcd: join_timeout=…,last_call_timeout=…")
+    _flag(parser, "--local-addr", default=None, help="etcd: this node's address for the others")
     _flag(parser, "--standalone", action="store_true", help="single node, free port")
     _flag(parser, "--role", default="default", help="worker role name")
     _flag(parser, "--log-dir", default=None, help="per-attempt, per-rank logs go here")
@@ -125,17 +126,59 @@ def _comma_list(value: str) -> list[str]:
     return [item for item in value.split(",") if item]
 
 
-def spec_from_args(args: argparse.Namespace) -> GroupSpec:
-    """The group torchrun would launch for these flags; ValueError names a bad one."""
-    if args.rdzv_backend != "static":
-        raise ValueError(f"--rdzv-backend {args.rdzv_backend!r} is not supported; use static")
+_RDZV_CONF = {
+    "join_timeout": "join_timeout",
+    "timeout": "join_timeout",
+    "last_call_timeout": "last_call",
+    "last_call": "last_call",
+    "lease_ttl": "lease_ttl",
+}
+
+
+def _rendezvous(args: argparse.Namespace) -> dict[str, object]:
+    """``--rdzv-*``, ``--nnodes`` and friends, as a RendezvousSpec table."""
     low, _, high = args.nnodes.partition(":")
-    if not low.isdigit() or (high and high != low):
+    if not low.isdigit() or (high and not high.isdigit()):
+        raise ValueError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX")
+    min_nodes, max_nodes = int(low), int(high or low)
+    backend = args.rdzv_backend
+    if backend in ("etcd", "etcd-v2", "etcd-v3"):
+        if not args.rdzv_endpoint:
+            raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT…]")
+        table: dict[str, object] = {
+            "backend": "etcd",
+            "endpoints": args.rdzv_endpoint.split(","),
+            "nnodes": max_nodes,
+            "min_nodes": min_nodes,
+            "run_id": args.rdzv_id,
+            "advertise_addr": args.local_addr,
+        }
+        for item in filter(None, args.rdzv_conf.split(",")):
+            key, _, value = item.partition("=")
+            if key not in _RDZV_CONF:
+                raise ValueError(f"--rdzv-conf {key!r}: known keys are {', '.join(_RDZV_CONF)}")
+            table[_RDZV_CONF[key]] = float(value) if "." in value else int(value)
+        return table
+    if backend != "static":
+        raise ValueError(f"--rdzv-backend {backend!r}: use static or etcd")
+    if min_nodes != max_nodes:
         raise ValueError(f"--nnodes {args.nnodes!r}: the static backend needs a fixed count")
     master_addr, master_port = args.master_addr, args.master_port
     if args.rdzv_endpoint and not args.standalone:
         host, _, port = args.rdzv_endpoint.rpartition(":")
         master_addr, master_port = host or args.rdzv_endpoint, int(port) if port else master_port
+    return {
+        "nnodes": max_nodes,
+        "node_rank": args.node_rank,
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "run_id": args.rdzv_id,
+    }
+
+
+def spec_from_args(args: argparse.Namespace) -> GroupSpec:
+    """The group torchrun would launch for these flags; ValueError names a bad one."""
+    rendezvous = _rendezvous(args)
     nproc = _nproc(args.nproc_per_node)
     env = {}
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -165,13 +208,7 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "shutdown_timeout": args.shutdown_timeout,
                 "duplicate_stdout_filters": _comma_list(args.duplicate_stdout_filters),
                 "duplicate_stderr_filters": _comma_list(args.duplicate_stderr_filters),
-                "rendezvous": RendezvousSpec(
-                    nnodes=int(low),
-                    node_rank=args.node_rank,
-                    master_addr=master_addr,
-                    master_port=master_port,
-                    run_id=args.rdzv_id,
-                ),
+                "rendezvous": rendezvous,
             },
             GroupSpec,
         )

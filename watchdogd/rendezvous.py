@@ -564,8 +564,9 @@ class EtcdRendezvous:
         master: str = "",
         error: str = "",
     ) -> None:
-        log.log(logging.WARNING if error else logging.INFO, "rendezvous %s: %s", name, message)
-        if self._on_event is not None:
+        if self._on_event is None:  # nobody records the event: log it here
+            log.log(logging.WARNING if error else logging.INFO, "rendezvous %s: %s", name, message)
+        else:
             self._on_event(
                 RdzvEvent(
                     name=name,

@@ -31,12 +31,15 @@ import anyio
 import anyio.abc
 import msgspec
 
+from watchdogd_client.events import RdzvEvent
 from watchdogd_client.groups import Failure, GroupInfo, GroupSpec, GroupState, WorkerInfo
 
 from . import _aio
 from .dstate import DStateDetector
+from .elastic import ElasticDriver, RendezvousError
 from .group_machine import Action, Finished, GroupMachine, Signal, Spawn, Transition
 from .procs import read_stat
+from .rdzv_state import Change
 from .worker_logs import StreamCopier, open_target, start_copier
 from .workerenv import (
     Placement,
@@ -56,6 +59,7 @@ __all__ = ["GroupError", "GroupRunner", "Supervisor"]
 log = logging.getLogger("watchdogd.supervisor")
 
 _TORCH_DEFAULT_PORT = 29500
+_UNBOUNDED = 2**62
 _DRAIN_TIMEOUT = 2.0
 
 
@@ -124,7 +128,10 @@ class GroupRunner:
     def __init__(self, spec: GroupSpec, daemon: Daemon) -> None:
         self.spec = spec
         self.daemon = daemon
-        self.machine = GroupMachine(spec.nproc, spec.max_restarts, spec.shutdown_timeout)
+        elastic = spec.rendezvous.backend == "etcd"
+        # Across nodes the job counts restarts (ElasticDriver): the machine only restarts.
+        restarts = _UNBOUNDED if elastic else spec.max_restarts
+        self.machine = GroupMachine(spec.nproc, restarts, spec.shutdown_timeout)
         self.workers: dict[int, _Worker] = {}
         self.copiers: list[StreamCopier] = []
         self.last_failure: Failure | None = None
@@ -134,7 +141,7 @@ class GroupRunner:
         self.routes = stream_routes(spec)
         self.gpus = self._assign_gpus()
         self.finished = anyio.Event()
-        self._unhealthy_reason = ""
+        self._reason = ""
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[tuple[str, int, int]](
             math.inf
         )
@@ -143,6 +150,8 @@ class GroupRunner:
             if spec.uninterruptible_state_timeout
             else None
         )
+        self.elastic = ElasticDriver(spec, self._rdzv_event, free_port) if elastic else None
+        self._counted_restarts = 0
 
     # -- setup -------------------------------------------------------------------
 
@@ -174,7 +183,7 @@ class GroupRunner:
         self._control("restart")
 
     def mark_unhealthy(self, reason: str) -> None:
-        self._unhealthy_reason = reason
+        self._reason = reason
         self._control("unhealthy")
 
     def uses_gpu(self, index: int) -> bool:
@@ -197,12 +206,17 @@ class GroupRunner:
             name=self.spec.name,
             state=self.machine.state,
             attempt=self.machine.attempt,
-            restarts_left=self.machine.restarts_left,
+            restarts_left=(
+                max(0, self.spec.max_restarts - self.elastic.restarts)
+                if self.elastic
+                else self.machine.restarts_left
+            ),
             workers=[
                 WorkerInfo(local_rank=w.local_rank, rank=w.rank, pid=w.pid, exitcode=w.exitcode)
                 for w in self.workers.values()
             ],
             last_failure=self.last_failure,
+            rendezvous=self.elastic.info() if self.elastic else None,
             started_at=self.started_at,
         )
 
@@ -211,9 +225,20 @@ class GroupRunner:
     async def run(self) -> GroupState:
         """Run the group to a final state (or STOPPED); every worker is gone on return."""
         try:
-            final = self._apply(self.machine.start())
-            while final is None:
-                final = self._apply(await self._next_input())
+            if self.elastic is None:
+                return await self._run_attempts()
+            async with self.elastic, anyio.create_task_group() as tg:
+                tg.start_soon(self.elastic.watch, self._membership_changed)
+                try:
+                    final = await self._run_attempts()
+                except RendezvousError as e:
+                    self.last_failure = Failure(
+                        local_rank=-1, rank=-1, pid=0, exitcode=1, reason=str(e),
+                        timestamp=time.time(),
+                    )  # fmt: skip
+                    final = GroupState.FAILED
+                await self.elastic.finish(final)
+                tg.cancel_scope.cancel()
             return final
         finally:
             with anyio.CancelScope(shield=True):
@@ -221,6 +246,36 @@ class GroupRunner:
             self._inbox_send.close()
             self._inbox.close()
             self.finished.set()
+
+    async def _run_attempts(self) -> GroupState:
+        final = await self._apply(self.machine.start())
+        while final is None:
+            final = await self._apply(await self._next_input())
+        return final
+
+    def _membership_changed(self, change: Change) -> None:
+        if self.finished.is_set():
+            return
+        match change:
+            case "waiting":
+                self._control("restart")  # scale-up: a new round, not a failure
+            case "lost":
+                self._reason = "a node of the job was lost"
+                self._control("fail")
+            case "closed":
+                self._control("stop")
+
+    def _rdzv_event(self, event: RdzvEvent) -> None:
+        self.daemon.emit(
+            f"rdzv_{event.name}",
+            group=self.spec.name,
+            run_id=event.run_id,
+            node_state=event.node_state.value,
+            rank=event.rank,
+            master_endpoint=event.master_endpoint,
+            message=event.message,
+            error=event.error_trace or None,
+        )
 
     async def _next_input(self) -> list[Action]:
         wakes = [t for t in (self.machine.next_wake(),) if t is not None]
@@ -238,7 +293,9 @@ class GroupRunner:
                 case "restart":
                     return self.machine.restart(now)
                 case "unhealthy":
-                    return self.machine.unhealthy(self._unhealthy_reason, now)
+                    return self.machine.unhealthy(self._reason, now)
+                case "fail":
+                    return self.machine.fail(self._reason, now)
         now = time.monotonic()
         return self.machine.tick(now) + self._sample_d_state(now)
 
@@ -257,7 +314,7 @@ class GroupRunner:
             actions += self.machine.worker_stuck(local_rank, now)
         return actions
 
-    def _apply(self, actions: list[Action]) -> GroupState | None:
+    async def _apply(self, actions: list[Action]) -> GroupState | None:
         final = None
         for action in actions:
             match action:
@@ -275,7 +332,7 @@ class GroupRunner:
                         agent_restarts=self.machine.restarts_used,
                     )
                 case Spawn(attempt, restart_count):
-                    self._spawn_all(attempt, restart_count)
+                    await self._start_attempt(attempt, restart_count)
                 case Signal(local_ranks, signum):
                     for local_rank in local_ranks:
                         self._signal(self.workers[local_rank], signum)
@@ -284,6 +341,13 @@ class GroupRunner:
         return final
 
     # -- processes ---------------------------------------------------------------
+
+    async def _start_attempt(self, attempt: int, restart_count: int) -> None:
+        if self.elastic is not None:
+            counted = restart_count > self._counted_restarts
+            self._counted_restarts = restart_count
+            self.placement, restart_count = await self.elastic.before_attempt(counted)
+        self._spawn_all(attempt, restart_count)
 
     def _spawn_all(self, attempt: int, restart_count: int) -> None:
         self.workers = {}

@@ -24,7 +24,15 @@ from typing import Annotated, Literal
 
 import msgspec
 
-__all__ = ["Failure", "GroupInfo", "GroupSpec", "GroupState", "RendezvousSpec", "WorkerInfo"]
+__all__ = [
+    "Failure",
+    "GroupInfo",
+    "GroupSpec",
+    "GroupState",
+    "RendezvousInfo",
+    "RendezvousSpec",
+    "WorkerInfo",
+]
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -50,19 +58,51 @@ class GroupState(enum.StrEnum):
 
 
 class RendezvousSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """How this node finds the others. ``static``: fixed nodes, this node's rank."""
+    """How this node finds the others.
 
-    backend: Literal["static"] = "static"
+    ``static``: a fixed ``nnodes``, this node's ``node_rank``, rank 0's
+    ``master_addr``/``master_port``. ``etcd``: between ``min_nodes`` (default
+    ``nnodes``) and ``nnodes`` nodes meet on the etcd ``endpoints`` under
+    ``run_id``; ranks and the master are assigned per round.
+    """
+
+    backend: Literal["static", "etcd"] = "static"
     nnodes: Annotated[int, msgspec.Meta(ge=1)] = 1
     node_rank: NonNegative = 0
     master_addr: str = "127.0.0.1"
     master_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
     """None: a free port on a single node, torch's 29500 across nodes."""
     run_id: str = "none"
+    endpoints: list[str] = []
+    """etcd: ``HOST:PORT`` of each etcd member."""
+    min_nodes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    advertise_addr: str | None = None
+    """etcd: the address other nodes reach this one at (default: the route to etcd)."""
+    lease_ttl: Annotated[int, msgspec.Meta(ge=2)] = 10
+    """etcd: seconds after which a dead or cut-off node counts as lost."""
+    last_call: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """etcd: how long a round with enough nodes waits for more."""
+    join_timeout: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    """etcd: how long to wait for ``min_nodes`` before failing."""
 
     def __post_init__(self) -> None:
-        if self.node_rank >= self.nnodes:
+        if self.backend == "static" and self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.backend == "etcd" and not self.endpoints:
+            raise ValueError("the etcd backend needs endpoints (HOST:PORT of etcd)")
+        if self.min_nodes is not None and self.min_nodes > self.nnodes:
+            raise ValueError(f"min_nodes {self.min_nodes} is above nnodes {self.nnodes}")
+
+
+class RendezvousInfo(msgspec.Struct, kw_only=True):
+    """Where this node stands in its job."""
+
+    backend: str
+    run_id: str
+    round: int | None
+    group_rank: int
+    group_world_size: int
+    waiting: int = 0
 
 
 class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -137,5 +177,6 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     restarts_left: int
     workers: list[WorkerInfo]
     last_failure: Failure | None = None
+    rendezvous: RendezvousInfo | None = None
     started_at: float
     """Wall-clock time of the first attempt."""
