@@ -12,7 +12,10 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from .conftest import wait_until
 from .etcd import EtcdServer
@@ -31,6 +34,18 @@ if int(env["WORLD_SIZE"]) != want:
 """
 
 
+_started: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_nodes() -> Iterator[None]:
+    """Whatever a test left running (it failed midway) goes with it."""
+    yield
+    while _started:
+        with _started.pop() as proc:
+            proc.kill()
+
+
 def node(
     etcd: EtcdServer, run: str, tmp_path: Path, nnodes: str, want: int, *extra: str
 ) -> subprocess.Popen[str]:
@@ -38,7 +53,7 @@ def node(
     worker.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [
             "watchdogd",
             "run",
@@ -63,6 +78,8 @@ def node(
         stderr=subprocess.PIPE,
         text=True,
     )
+    _started.append(proc)
+    return proc
 
 
 def reports(tmp_path: Path) -> list[dict[str, str]]:
