@@ -66,6 +66,9 @@ __all__ = ["Daemon", "EndpointError"]
 
 log = logging.getLogger("watchdogd")
 
+# libuv's timer resolution (uvloop): wake this much early, then watch the clock.
+_TIMER_SLACK = 0.0015
+
 _EVENT_LOG = "watchdogd-event-log"
 
 ErrorReply = tuple[p.ErrorCode, str]
@@ -581,8 +584,13 @@ class Daemon:
             if deadline is not None and deadline <= now:
                 self._expire(now)
                 continue
+            if deadline is not None and deadline - now < _TIMER_SLACK:
+                # The loop's timers round up to whole milliseconds: for the last
+                # one, yield to other work but check the clock every iteration.
+                await anyio.lowlevel.checkpoint()
+                continue
             self._wake = anyio.Event()
-            delay = math.inf if deadline is None else deadline - now
+            delay = math.inf if deadline is None else deadline - now - _TIMER_SLACK
             with anyio.move_on_after(delay):
                 await self._wake.wait()
 
