@@ -39,10 +39,10 @@ out = sys.argv[1]
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
 rank = os.environ["LOCAL_RANK"]
 nproc = int(os.environ["LOCAL_WORLD_SIZE"])
-mine = os.path.join(out, f"start-{attempt}-{rank}")
-with open(mine + ".tmp", "w") as f:
+name = f"start-{attempt}-{rank}"
+with open(os.path.join(out, "." + name), "w") as f:
     f.write(repr(started))
-os.rename(mine + ".tmp", mine)  # rank 0 counts files: never a half-written one
+os.rename(os.path.join(out, "." + name), os.path.join(out, name))  # never seen half-written
 last = int(sys.argv[2])
 if rank == "0" and int(attempt) < last:
     # Fail once every rank of this attempt is up, so the whole group is restarted.
