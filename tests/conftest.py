@@ -102,6 +102,15 @@ def python(
     )
 
 
+def fifo_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to the FIFO at ``path`` in one ``write``, as a client would."""
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def fifo_line(pid: int, scope: str, expiration: float, sig: int = 9, version: int = 1) -> bytes:
     """One request in torch's FIFO wire format."""
     request = {"version": version, "pid": pid, "scope_id": scope, "expiration_time": expiration}

@@ -92,25 +92,27 @@ def etcd_binary() -> str:
     return binary
 
 
-@pytest.fixture(scope="session")
-def etcd(etcd_binary: str) -> Iterator[EtcdServer]:
-    """One etcd for the session; each test uses its own run id."""
+@contextlib.contextmanager
+def running_etcd(binary: str) -> Iterator[EtcdServer]:
+    """A started etcd with a fresh data dir, killed (and its dir removed) after."""
     with tempfile.TemporaryDirectory(prefix="wd-etcd-") as directory:
-        server = EtcdServer(etcd_binary, Path(directory))
+        server = EtcdServer(binary, Path(directory))
         server.start()
         try:
             yield server
         finally:
             server.kill()
+
+
+@pytest.fixture(scope="session")
+def etcd(etcd_binary: str) -> Iterator[EtcdServer]:
+    """One etcd for the session; each test uses its own run id."""
+    with running_etcd(etcd_binary) as server:
+        yield server
 
 
 @pytest.fixture
 def private_etcd(etcd_binary: str) -> Iterator[EtcdServer]:
     """An etcd this test alone may kill and restart."""
-    with tempfile.TemporaryDirectory(prefix="wd-etcd-") as directory:
-        server = EtcdServer(etcd_binary, Path(directory))
-        server.start()
-        try:
-            yield server
-        finally:
-            server.kill()
+    with running_etcd(etcd_binary) as server:
+        yield server

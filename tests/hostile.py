@@ -208,14 +208,6 @@ def serve(runtime_dir: Path, config: str, env: dict[str, str] | None = None) -> 
 # -- in-process helpers ---------------------------------------------------------
 
 
-def fifo_write(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
 def capture_events(daemon: Daemon) -> list[tuple[str, dict[str, Any]]]:
     """Record every event an in-process daemon emits (it still logs them as usual)."""
     seen: list[tuple[str, dict[str, Any]]] = []

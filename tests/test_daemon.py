@@ -21,7 +21,7 @@ from watchdogd import Daemon, EndpointError
 from watchdogd.config import Limits
 from watchdogd_client import protocol as p
 
-from .conftest import exit_code, fifo_line, python, running_daemon, wait_for
+from .conftest import exit_code, fifo_line, fifo_write, python, running_daemon, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -58,14 +58,6 @@ def _close_clients() -> Iterator[None]:
 async def call(fn, *args):  # type: ignore[no-untyped-def]
     """Run a blocking client call off the event loop the daemon runs on."""
     return await anyio.to_thread.run_sync(partial(fn, *args))
-
-
-def fifo_write(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
 
 
 # -- expiry and kill ---------------------------------------------------------------

@@ -27,7 +27,7 @@ import watchdogd_client as wd
 from watchdogd import Daemon, EndpointError
 from watchdogd.config import PolicyConfig
 
-from .conftest import exit_code, fifo_line, running_daemon
+from .conftest import exit_code, fifo_line, fifo_write, running_daemon
 from .hostile import (
     NOBODY,
     OTHER_UID,
@@ -35,7 +35,6 @@ from .hostile import (
     assert_untouched,
     call,
     capture_events,
-    fifo_write,
     needs_root,
     sleepers,
 )

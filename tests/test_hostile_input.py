@@ -24,12 +24,11 @@ import watchdogd_client as wd
 from watchdogd.config import Limits
 from watchdogd_client import protocol as p
 
-from .conftest import fifo_line, running_daemon
+from .conftest import fifo_line, fifo_write, running_daemon
 from .hostile import (
     arm_error,
     call,
     capture_events,
-    fifo_write,
     needs_root,
     nobody_dialer,
     serve,
