@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -48,16 +48,10 @@ from .eventlog import EventLog
 from .fifo import FifoFront
 from .gpus import XidWatcher, read_gpus
 from .metrics import HealthServer, LoopMonitor, Metrics, parse_listen
+from .persistence import Persistence
 from .policy import Policy, Requester, Target, check, valid_signals
 from .procs import ProcessHandle, ancestors, open_process
 from .reaper import Reaper
-from .snapshot import (
-    SNAPSHOT_NAME,
-    SnapshotTimer,
-    SnapshotWriter,
-    UntrustedSnapshotError,
-    read_snapshot,
-)
 from .supervisor import GroupError, Supervisor
 from .systemd import Notifier, is_fifo, is_listening_unix_socket, listen_fds
 from .timers import Timer, TimerTable
@@ -99,9 +93,8 @@ class Daemon:
         self.metrics = Metrics(self, self.loop_monitor)
         self.events = EventLog(config.event_ring_size)
         self.notifier = Notifier()
-        self.snapshot_path = config.state_path() / SNAPSHOT_NAME
-        self._dirty = False
-        self._dirty_event = anyio.Event()
+        self.persistence = Persistence(self)
+        self._mark_dirty = self.persistence.mark_dirty
         self._activated = False
         self.http_address: tuple[str, int] | None = None
         # Worker pids this daemon launched (pid -> group): FIFO requests may target them.
@@ -160,13 +153,13 @@ class Daemon:
             raw_socket, fifo_fd = self._open_endpoints(cleanup)
             listener = await anyio.abc.SocketListener.from_socket(raw_socket)
             cleanup.callback(self._close_processes)
-            self._restore_snapshot()
+            self.persistence.restore()
             async with anyio.create_task_group() as tg, listener:
                 _aio.watch_readable(fifo_fd, lambda: self.fifo_front.on_readable(fifo_fd))
                 cleanup.callback(_aio.unwatch, fifo_fd)
                 tg.start_soon(self._expiry_loop)
                 tg.start_soon(listener.serve, self.socket_front.serve, tg)
-                tg.start_soon(self._snapshot_loop)
+                tg.start_soon(self.persistence.run)
                 tg.start_soon(self._notify_loop)
                 tg.start_soon(self.loop_monitor.run)
                 self._start_http(cleanup)
@@ -193,7 +186,7 @@ class Daemon:
                 self.emit("daemon_stopping", timers=len(self.table))
                 await self.supervisor.stop_all()
                 tg.cancel_scope.cancel()
-            self._write_snapshot()
+            self.persistence.write_now()
 
     def _open_endpoints(self, cleanup: contextlib.ExitStack) -> tuple[socket.socket, int]:
         """Adopt the endpoints systemd passed, or create them; both locked against a twin."""
@@ -231,98 +224,7 @@ class Daemon:
         cleanup.callback(os.close, fifo_fd)
         return raw_socket, fifo_fd
 
-    # -- persistence and systemd -----------------------------------------------
-
-    def _mark_dirty(self) -> None:
-        if not self._dirty:  # a plain bool on the hot path; the event only on the edge
-            self._dirty = True
-            self._dirty_event.set()
-
-    async def _snapshot_loop(self) -> None:
-        """Rewrite the snapshot after changes, spending at most ~10 % of the loop on it."""
-        while True:
-            await self._dirty_event.wait()
-            self._dirty_event = anyio.Event()
-            self._dirty = False
-            started = time.monotonic()
-            writer = SnapshotWriter(self.snapshot_path, time.time())
-            try:
-                for chunk in self._snapshot_chunks():
-                    writer.write(chunk)
-                    await anyio.lowlevel.checkpoint()  # let requests and expiries in between chunks
-                await anyio.to_thread.run_sync(writer.commit)
-            except BaseException:
-                writer.abort()
-                raise
-            spent = time.monotonic() - started
-            await anyio.sleep(max(self.config.snapshot_interval, 10 * spent))
-
-    def _snapshot_chunks(self, size: int = 1000) -> Iterator[list[SnapshotTimer]]:
-        now, wall = time.monotonic(), time.time()
-        processes = self.processes
-        entries = self.table.entries()
-        for start in range(0, len(entries), size):
-            yield [
-                SnapshotTimer(
-                    t.pid,
-                    processes[t.pid].start_time,
-                    t.scope_id,
-                    wall + (t.deadline - now),
-                    t.signal,
-                    t.source,
-                    t.uid,
-                )
-                for t in entries[start : start + size]
-                if t.live and t.pid in processes
-            ]
-
-    def _write_snapshot(self) -> None:
-        try:
-            writer = SnapshotWriter(self.snapshot_path, time.time())
-            for chunk in self._snapshot_chunks():
-                writer.write(chunk)
-            writer.commit()
-        except OSError as e:
-            log.error("cannot write snapshot %s: %s", self.snapshot_path, e.strerror)
-
-    def _restore_snapshot(self) -> None:
-        """Re-arm the timers of the last run whose processes are still the same ones."""
-        try:
-            snapshot = read_snapshot(self.snapshot_path)
-        except UntrustedSnapshotError as e:
-            self.emit("snapshot_refused", path=str(self.snapshot_path), reason=str(e))
-            return
-        if snapshot is None:
-            return
-        header, saved_timers = snapshot
-        now, wall = time.monotonic(), time.time()
-        gone = 0
-        for saved in saved_timers:
-            handle = self.processes.get(saved.pid)
-            if handle is None:
-                try:
-                    handle = open_process(saved.pid)
-                except (ProcessLookupError, OSError):
-                    gone += 1
-                    continue
-                if handle.start_time != saved.start_time:
-                    handle.close()  # the pid now names another process
-                    gone += 1
-                    continue
-                self.watch_process(handle)
-            deadline = now + (saved.expiration_time - wall)
-            self.table.arm(
-                saved.pid, saved.scope_id, deadline, saved.signal, saved.source, saved.uid
-            )
-        self.counts["dropped"] += gone
-        self._mark_dirty()
-        self.emit(
-            "snapshot_restored",
-            path=str(self.snapshot_path),
-            timers=len(self.table),
-            dropped=gone,
-            age_s=round(wall - header.written_at, 3),
-        )
+    # -- systemd ---------------------------------------------------------------
 
     async def _notify_loop(self) -> None:
         """Tell systemd we are alive (from the event loop itself) and how busy we are."""
