@@ -20,8 +20,6 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
-from types import TracebackType
-from typing import Self
 
 import anyio
 
@@ -77,18 +75,6 @@ class ElasticDriver:
         self.result: RendezvousResult | None = None
         self.restarts = 0
         self._new_round = anyio.Event()
-
-    async def __aenter__(self) -> Self:
-        await self.rendezvous.__aenter__()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.rendezvous.__aexit__(exc_type, exc, tb)
 
     def _event(self, event: RdzvEvent) -> None:
         record_rdzv_event(event)

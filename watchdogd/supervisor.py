@@ -227,7 +227,7 @@ class GroupRunner:
         try:
             if self.elastic is None:
                 return await self._run_attempts()
-            async with self.elastic, anyio.create_task_group() as tg:
+            async with self.elastic.rendezvous, anyio.create_task_group() as tg:
                 tg.start_soon(self.elastic.watch, self._membership_changed)
                 try:
                     final = await self._run_attempts()
