@@ -32,9 +32,10 @@ def _free_ports(count: int) -> list[int]:
 class EtcdServer:
     """One single-member etcd cluster; ``start`` after ``kill`` keeps its data and ports."""
 
-    def __init__(self, binary: str, data_dir: Path) -> None:
+    def __init__(self, binary: str, data_dir: Path, also_listen: str | None = None) -> None:
         self.binary = binary
         self.data_dir = data_dir
+        self.also_listen = also_listen  # another address of ours (a test network's host side)
         self.client_port, self.peer_port = _free_ports(2)
         self.log = data_dir / "etcd.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -46,13 +47,16 @@ class EtcdServer:
     def start(self) -> None:
         client = f"http://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
+        listen = client
+        if self.also_listen:
+            listen += f",http://{self.also_listen}:{self.client_port}"
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [
                     self.binary,
                     "--name=test",
                     f"--data-dir={self.data_dir / 'data'}",
-                    f"--listen-client-urls={client}",
+                    f"--listen-client-urls={listen}",
                     f"--advertise-client-urls={client}",
                     f"--listen-peer-urls={peer}",
                     f"--initial-advertise-peer-urls={peer}",
@@ -93,10 +97,10 @@ def etcd_binary() -> str:
 
 
 @contextlib.contextmanager
-def running_etcd(binary: str) -> Iterator[EtcdServer]:
+def running_etcd(binary: str, also_listen: str | None = None) -> Iterator[EtcdServer]:
     """A started etcd with a fresh data dir, killed (and its dir removed) after."""
     with tempfile.TemporaryDirectory(prefix="wd-etcd-") as directory:
-        server = EtcdServer(binary, Path(directory))
+        server = EtcdServer(binary, Path(directory), also_listen)
         server.start()
         try:
             yield server
