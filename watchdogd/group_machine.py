@@ -13,8 +13,9 @@ Rules
   HEALTHY -> UNHEALTHY at once, every worker gets SIGKILL, and there is no
   restart (the node itself is suspect).
 - ``stop`` (operator, shutdown): every worker is stopped, ending in STOPPED.
-- ``restart`` (operator) and ``membership_changed`` (a node joined) stop the
-  workers and start a new attempt without spending a restart.
+- ``restart`` (operator, or a node joined the job) stops the workers and
+  starts a new attempt without spending a restart; ``fail`` (a peer node
+  was lost) does the same as a worker failure, spending one.
 
 Actions are returned in order: :class:`Transition` (record it),
 :class:`Spawn` (start every worker of an attempt), :class:`Signal` (send to
@@ -138,8 +139,6 @@ class GroupMachine:
         if self.state is S.HEALTHY:
             return self._stop_workers(now, "restart_free", reason)
         return []
-
-    membership_changed = restart
 
     def tick(self, now: float) -> list[Action]:
         if self._kill_at is None or now < self._kill_at or self.state is not S.STOPPING:

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import errno
 import os
-import select
 import signal as _signal
 
 import msgspec
+
+from watchdogd_client._proc import pidfd_exited, stat_fields
 
 __all__ = [
     "ProcessHandle",
     "ancestors",
     "open_process",
     "read_stat",
-    "supplementary_groups",
 ]
 
 _PF_KTHREAD = 0x00200000
@@ -46,9 +46,7 @@ class ProcessHandle(msgspec.Struct):
     def exited(self) -> bool:
         if self.pidfd < 0:
             return True  # closed: we already saw it exit
-        poller = select.poll()
-        poller.register(self.pidfd, select.POLLIN)
-        return bool(poller.poll(0))
+        return pidfd_exited(self.pidfd)
 
     def send_signal(self, signal: int) -> None:
         """Signal this very process; ProcessLookupError once it has exited."""
@@ -70,34 +68,20 @@ class ProcessHandle(msgspec.Struct):
 
 def read_stat(pid: int) -> Stat:
     """Fields of ``/proc/PID/stat``; ProcessLookupError if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        raise ProcessLookupError(pid) from None
-    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rindex(b")") + 2 :].split()
+    fields = stat_fields(pid)
     return Stat(fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]))
 
 
-def _status_field(pid: int, field: bytes) -> list[int]:
+def _read_uid(pid: int) -> int:
+    """The real uid of process ``pid``; ProcessLookupError if there is no such process."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
-                if line.startswith(field):
-                    return [int(v) for v in line.split()[1:]]
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
     except (FileNotFoundError, ProcessLookupError):
         pass
     raise ProcessLookupError(pid)
-
-
-def _read_uid(pid: int) -> int:
-    return _status_field(pid, b"Uid:")[0]
-
-
-def supplementary_groups(pid: int) -> list[int]:
-    """The groups of process ``pid`` (effective and supplementary)."""
-    return [_status_field(pid, b"Gid:")[1], *_status_field(pid, b"Groups:")]
 
 
 def open_process(pid: int, pidfd: int | None = None) -> ProcessHandle:

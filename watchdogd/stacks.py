@@ -24,7 +24,6 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Literal
 
 import anyio
 import msgspec
@@ -35,7 +34,6 @@ from .procs import ProcessHandle
 
 __all__ = ["DumpInfo", "StackStore", "capture_faulthandler", "capture_pyspy"]
 
-Method = Literal["faulthandler", "py-spy"]
 _HEADER = "# watchdogd stack dump "
 _POLL = 0.002
 # faulthandler writes the whole dump from its signal handler at once; a file

@@ -70,9 +70,6 @@ class TimerTable:
         """A cheap copy (one list of references) holding every live timer; skip ``not .live``."""
         return list(self._heap)
 
-    def pids(self) -> list[int]:
-        return list(self._by_pid)
-
     def count_for(self, pid: int) -> int:
         scopes = self._by_pid.get(pid)
         return len(scopes) if scopes else 0

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import signal as _signal
 import threading
 import time
@@ -55,6 +54,7 @@ from queue import Empty
 from typing import Any, NamedTuple, Protocol
 
 from ._api import RequestQueue, TimerRequest, TimerServer
+from ._proc import pidfd_exited, stat_fields
 from ._timer import TimerClient
 
 __all__ = ["LocalTimerClient", "LocalTimerServer", "MultiprocessingRequestQueue"]
@@ -76,13 +76,7 @@ class _Source(Protocol):
 
 def _start_time(pid: int) -> int:
     """When process ``pid`` started (clock ticks since boot); ProcessLookupError if none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        raise ProcessLookupError(pid) from None
-    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
-    return int(raw[raw.rindex(b")") + 2 :].split()[19])
+    return int(stat_fields(pid)[19])
 
 
 _own_identity: tuple[int, int] | None = None
@@ -166,12 +160,6 @@ class _Worker:
         self.pidfd = pidfd
         self.start_time = start_time
         self.timers: dict[str, _Timer] = {}
-
-
-def _exited(pidfd: int) -> bool:
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 def _to_monotonic(wall_time: float) -> float:
@@ -315,7 +303,7 @@ class LocalTimerServer(TimerServer):
             actual = None
         # Checked after /proc was read: if the pinned process is still alive,
         # /proc described it and not a successor with its number.
-        if actual is None or _exited(pidfd) or start_time not in (None, actual):
+        if actual is None or pidfd_exited(pidfd) or start_time not in (None, actual):
             os.close(pidfd)
             logger.info("Ignoring a timer for pid %s: the process that asked has exited", pid)
             return None
@@ -324,7 +312,7 @@ class LocalTimerServer(TimerServer):
     def _live_worker(self, pid: int) -> _Worker | None:
         """``pid``'s worker, unless it has exited (then its timers are dropped)."""
         worker = self._workers.get(pid)
-        if worker is not None and _exited(worker.pidfd):
+        if worker is not None and pidfd_exited(worker.pidfd):
             logger.info("pid %s exited with timers %s: dropped", pid, list(worker.timers))
             self._drop(pid)
             return None

@@ -52,10 +52,6 @@ class GroupState(enum.StrEnum):
     FAILED = "FAILED"
     UNHEALTHY = "UNHEALTHY"
 
-    @property
-    def is_final(self) -> bool:
-        return self in (GroupState.SUCCEEDED, GroupState.FAILED, GroupState.UNHEALTHY)
-
 
 class RendezvousSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How this node finds the others.
