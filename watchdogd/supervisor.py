@@ -419,15 +419,27 @@ class GroupRunner:
             os.killpg(worker.pid, signum)
 
     def _on_pidfd(self, worker: _Worker) -> None:
-        _aio.unwatch(worker.pidfd)
-        os.close(worker.pidfd)
         # Still a zombie: its process group id cannot be reused yet.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(worker.pid, signal.SIGKILL)
-        worker.exitcode = worker.popen.wait()
+        self._reap(worker, exited=True)
         worker.exited.set()
-        self.daemon.supervised.pop(worker.pid, None)
         self._inbox_send.send_nowait(("exit", worker.local_rank, worker.attempt))
+
+    def _reap(self, worker: _Worker, *, exited: bool) -> None:
+        """Stop watching ``worker`` and collect its exit status.
+
+        Only a worker its pidfd says ``exited`` is waited for; one that
+        SIGKILL could not end (stuck in uninterruptible sleep) is left to the
+        kernel rather than hang the event loop.
+        """
+        with contextlib.suppress(ValueError, OSError):
+            _aio.unwatch(worker.pidfd)
+            os.close(worker.pidfd)
+        worker.exitcode = worker.popen.wait() if exited else worker.popen.poll()
+        if worker.exitcode is None:
+            log.warning("worker pid %d did not exit after SIGKILL; left behind", worker.pid)
+        self.daemon.supervised.pop(worker.pid, None)
 
     def _on_exit(self, local_rank: int, attempt: int, now: float) -> list[Action]:
         worker = self.workers.get(local_rank)
@@ -490,12 +502,8 @@ class GroupRunner:
         for copier in self.copiers:
             copier.close()
         for worker in self.workers.values():
-            if worker.exitcode is None:
-                with contextlib.suppress(ValueError, OSError):
-                    _aio.unwatch(worker.pidfd)
-                    os.close(worker.pidfd)
-                worker.exitcode = worker.popen.wait()
-                self.daemon.supervised.pop(worker.pid, None)
+            if not worker.exited.is_set():
+                self._reap(worker, exited=False)
 
 
 class Supervisor:
