@@ -4,6 +4,9 @@ Each endpoint is guarded by an ``flock`` on ``PATH.lock``: a second daemon
 pointed at the same path fails to take the lock and refuses to start,
 naming the pid that holds it, instead of silently stealing the endpoint.
 Holding the lock also proves that a socket file left at the path is stale.
+The lock file is world-readable and holds an :class:`EndpointOwner` record
+(the daemon's pid and start time, the endpoint's inode): how a FIFO client
+tells the daemon's FIFO from torch's at the same path.
 
 Nothing here follows a symlink planted at an endpoint path, and a path that
 holds something else (a regular file where the FIFO should be) is refused,
@@ -19,6 +22,12 @@ import os
 import socket
 import stat
 from pathlib import Path
+
+import msgspec
+
+from watchdogd_client.protocol import EndpointOwner
+
+from .procs import read_stat
 
 __all__ = [
     "EndpointError",
@@ -37,8 +46,11 @@ class EndpointError(Exception):
     """An endpoint cannot be created or is owned by another daemon."""
 
 
+_owner_decoder = msgspec.json.Decoder(EndpointOwner)
+
+
 class Lock:
-    """An exclusive ``flock`` on ``PATH.lock`` holding the owner's pid."""
+    """An exclusive ``flock`` on ``PATH.lock`` holding the owner's :class:`EndpointOwner`."""
 
     def __init__(self, endpoint: Path) -> None:
         self.path = endpoint.with_name(endpoint.name + ".lock")
@@ -51,14 +63,26 @@ class Lock:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            try:
+                holder = str(_owner_decoder.decode(os.pread(self._fd, 4096, 0)).pid)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                holder = "?"
             os.close(self._fd)
             raise EndpointError(
                 f"another watchdogd (pid {holder}) already serves {endpoint}; "
                 "stop it first or choose another path"
             ) from None
+        self.publish(None)
+
+    def publish(self, endpoint_fd: int | None) -> None:
+        """Record this daemon, and the inode of ``endpoint_fd`` once it is open."""
+        pid = os.getpid()
+        owner = EndpointOwner(pid, read_stat(pid).start_time)
+        if endpoint_fd is not None:
+            info = os.fstat(endpoint_fd)
+            owner = msgspec.structs.replace(owner, dev=info.st_dev, ino=info.st_ino)
         os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(self._fd, msgspec.json.encode(owner) + b"\n", 0)
 
     def release(self) -> None:
         if self._fd >= 0:

@@ -210,7 +210,8 @@ class Daemon:
             for path in {self.socket_path.parent, self.fifo_path.parent}:
                 prepare_dir(path)
         cleanup.callback(Lock(self.socket_path).release)
-        cleanup.callback(Lock(self.fifo_path).release)
+        fifo_lock = Lock(self.fifo_path)
+        cleanup.callback(fifo_lock.release)
         gid = group_id(self.config.group)
         if raw_socket is None:
             raw_socket = open_socket(self.socket_path, self.config.socket_mode, gid)
@@ -222,6 +223,7 @@ class Daemon:
                 self.fifo_path, self.config.fifo_mode, gid, self.limits.fifo_pipe_size
             )
         cleanup.callback(os.close, fifo_fd)
+        fifo_lock.publish(fifo_fd)
         return raw_socket, fifo_fd
 
     # -- systemd ---------------------------------------------------------------

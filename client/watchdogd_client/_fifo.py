@@ -2,10 +2,25 @@
 
 torch's ``FileTimerClient`` opens the FIFO for every request and raises
 ``BlockingIOError`` when the pipe is momentarily full — after which the
-request may or may not have been delivered. This one keeps one descriptor
-open, and when the pipe is full it waits (bounded) for room. Each request is
-one ``write`` of at most ``PIPE_BUF`` bytes, which the kernel delivers whole
-or not at all, so a request reported as failed was not delivered.
+request may or may not have been delivered. This one waits (bounded) for
+room instead. Each request is one ``write`` of at most ``PIPE_BUF`` bytes,
+which the kernel delivers whole or not at all, so a request reported as
+failed was not delivered.
+
+Rules for the descriptor:
+
+- torch's own ``FileTimerServer`` reads with a blocking ``readline()`` and
+  checks its deadlines only between lines, so it needs every writer to close
+  after each request: a writer that stays open stalls its expiry for every
+  rank on the node. Against any reader but watchdogd, each request is
+  open, write, close — what torch's client does.
+- The descriptor stays open (the fast path: one ``write`` per request) only
+  when the FIFO is provably watchdogd's: ``PATH.lock`` beside it, owned by
+  root or by the FIFO's owner, names the inode that was opened and a daemon
+  that still runs (pid and start time). The inode cannot be reused while
+  that daemon holds the FIFO open, and torch recreates its FIFO (a new
+  inode) at start, so neither a stale lock file nor an inherited
+  environment can make this client hold torch's FIFO open.
 """
 
 from __future__ import annotations
@@ -14,6 +29,7 @@ import errno
 import os
 import select
 import signal as _signal
+import stat
 import time
 import weakref
 
@@ -21,11 +37,13 @@ import msgspec
 
 from . import protocol as p
 from ._errors import DaemonUnavailableError, FifoFullError
+from ._proc import stat_fields
 from ._timer import TimerClient
 
 __all__ = ["FileTimerClient"]
 
 _encoder = msgspec.json.Encoder()
+_owner_decoder = msgspec.json.Decoder(p.EndpointOwner)
 _live_clients: weakref.WeakSet[FileTimerClient] = weakref.WeakSet()
 
 
@@ -48,6 +66,9 @@ class FileTimerClient(TimerClient):
         self.signal = int(signal)
         self.full_timeout = full_timeout
         self._fd = -1
+        # (st_dev, st_ino) of the last FIFO found not to be watchdogd's, so
+        # that open-write-close against torch's server checks it only once.
+        self._foreign: tuple[int, int] | None = None
         self._pid = os.getpid()
         _live_clients.add(self)
 
@@ -69,12 +90,19 @@ class FileTimerClient(TimerClient):
         self.close()
 
     def _open(self) -> int:
+        """Open the FIFO; the descriptor is kept only when watchdogd serves it."""
         try:
             # O_NONBLOCK: fail now (ENXIO) rather than hang when no daemon reads.
-            self._fd = os.open(self.file_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(self.file_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             raise DaemonUnavailableError(self.file_path, e.strerror or str(e)) from None
-        return self._fd
+        info = os.fstat(fd)
+        inode = (info.st_dev, info.st_ino)
+        if inode != self._foreign and _served_by_watchdogd(self.file_path, info):
+            self._fd = fd
+        else:
+            self._foreign = inode
+        return fd
 
     def _write(self, request: p.FileTimerRequest) -> None:
         line = _encoder.encode(request) + b"\n"
@@ -83,15 +111,26 @@ class FileTimerClient(TimerClient):
                 f"timer request of {len(line)} bytes exceeds PIPE_BUF ({select.PIPE_BUF}), "
                 f"the largest write a FIFO delivers whole: shorten scope_id {request.scope_id!r}"
             )
-        fd = self._fd if self._fd >= 0 else self._open()
+        fd = self._fd
+        if fd >= 0:
+            try:
+                os.write(fd, line)
+                return
+            except BlockingIOError:
+                self._write_when_room(fd, line)
+                return
+            except BrokenPipeError:
+                # The reader went away (daemon restarted): open again.
+                self.close()
+        fd = self._open()
         try:
-            os.write(fd, line)
-        except BlockingIOError:
-            self._write_when_room(fd, line)
-        except BrokenPipeError:
-            # The reader went away (daemon restarted): reopen once.
-            self.close()
-            os.write(self._open(), line)
+            try:
+                os.write(fd, line)
+            except BlockingIOError:
+                self._write_when_room(fd, line)
+        finally:
+            if fd != self._fd:
+                os.close(fd)  # not watchdogd's FIFO: close, as torch's reader needs
 
     def _write_when_room(self, fd: int, line: bytes) -> None:
         poller = select.poll()
@@ -111,6 +150,29 @@ class FileTimerClient(TimerClient):
             errno.EAGAIN,
             f"FIFO {self.file_path} stayed full for {self.full_timeout}s; request not delivered",
         )
+
+
+def _served_by_watchdogd(fifo_path: str, fifo: os.stat_result) -> bool:
+    """Whether the FIFO opened as ``fifo`` is the one a running watchdogd holds open."""
+    try:
+        fd = os.open(f"{fifo_path}.lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        lock = os.fstat(fd)
+        if not stat.S_ISREG(lock.st_mode) or lock.st_uid not in (0, fifo.st_uid):
+            return False
+        owner = _owner_decoder.decode(os.read(fd, 4096))
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    finally:
+        os.close(fd)
+    if (owner.dev, owner.ino) != (fifo.st_dev, fifo.st_ino):
+        return False
+    try:
+        return int(stat_fields(owner.pid)[19]) == owner.start_time
+    except (ProcessLookupError, IndexError, ValueError):
+        return False
 
 
 def _refresh_pid_after_fork() -> None:

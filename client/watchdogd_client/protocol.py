@@ -43,6 +43,7 @@ __all__ = [
     "DumpInfo",
     "DumpList",
     "DumpText",
+    "EndpointOwner",
     "Error",
     "EventBatch",
     "FileTimerRequest",
@@ -103,6 +104,22 @@ class FileTimerRequest(msgspec.Struct):
     scope_id: str
     expiration_time: float
     signal: int = 0
+
+
+class EndpointOwner(msgspec.Struct, frozen=True):
+    """What ``PATH.lock`` beside an endpoint holds: the daemon serving it.
+
+    ``pid`` and ``start_time`` (``/proc/PID/stat`` field 22) name the daemon
+    even after its pid is reused; ``dev``/``ino`` are the endpoint's inode
+    (0 until it is open), which cannot be reused while the daemon holds it
+    open. A FIFO client keeps its descriptor only when the FIFO it opened is
+    this inode of a daemon that still runs (see ``FileTimerClient``).
+    """
+
+    pid: int
+    start_time: int
+    dev: int = 0
+    ino: int = 0
 
 
 # --- requests ---------------------------------------------------------------
