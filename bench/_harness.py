@@ -258,7 +258,7 @@ def run_child(target: Callable[..., object], *args: object, timeout: float) -> A
 
 # -- our daemon ---------------------------------------------------------------
 
-_SERVE = "import sys; from watchdogd.cli import main; sys.exit(main())"
+_SERVE = "import sys; from watchdogd.cli.main import main; sys.exit(main())"
 Setting = str | int | float | bool
 _LIMITS: dict[str, Setting] = {"max_timers_per_pid": 2_000_000, "max_timers": 3_000_000}
 
@@ -296,7 +296,7 @@ class Watchdogd(_StartStop):
         self.event_log_path = runtime_dir.with_name(runtime_dir.name + "-events.jsonl")
         # Imported here, not at the top: the children that import this module
         # to measure the client should not load the daemon (anyio, uvloop).
-        from watchdogd.config import Config, Limits
+        from watchdogd.core.config import Config, Limits
 
         top: dict[str, Setting] = {
             "log_level": "warning",

@@ -22,8 +22,9 @@ from functools import partial
 import anyio
 import msgspec
 
-from watchdogd import Config, Daemon
-from watchdogd.connections import _Peer
+from watchdogd.core.config import Config
+from watchdogd.daemon import Daemon
+from watchdogd.service.connections import _Peer
 from watchdogd_client import protocol as p
 
 SCOPES = 50

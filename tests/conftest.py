@@ -19,7 +19,8 @@ from typing import Any
 import anyio
 import pytest
 
-from watchdogd import Config, Daemon
+from watchdogd.core.config import Config
+from watchdogd.daemon import Daemon
 
 REPO = Path(__file__).resolve().parent.parent
 

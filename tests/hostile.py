@@ -24,7 +24,7 @@ import anyio
 import pytest
 
 import watchdogd_client as wd
-from watchdogd import Daemon
+from watchdogd.daemon import Daemon
 
 NOBODY = 65534
 OTHER_UID = 65533
@@ -165,7 +165,7 @@ def serve(runtime_dir: Path, config: str, env: dict[str, str] | None = None) -> 
             [
                 sys.executable,
                 "-m",
-                "watchdogd.cli",
+                "watchdogd.cli.main",
                 "serve",
                 "--config",
                 str(config_path),

@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from watchdogd import _aio
-from watchdogd.rendezvous import EtcdRendezvous, RendezvousError
+from watchdogd.groups.rendezvous import EtcdRendezvous, RendezvousError
+from watchdogd.linux import aio as _aio
 
 Report = Callable[[dict[str, Any]], None]
 

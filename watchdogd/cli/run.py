@@ -1,0 +1,320 @@
+"""``watchdogd run``: torchrun's command line, one group in the foreground, timers built in.
+
+Replace the word ``torchrun`` in a launch script with ``watchdogd run``: the
+flags keep their names and meanings (dashes or underscores, ``PET_*``
+environment defaults), the workers get torchrun's environment, and the exit
+status follows the group's: 0 when every worker succeeded, 1 with a summary
+of the first failure otherwise, 128+N when stopped by signal N (workers are
+stopped gracefully first, none is left behind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from watchdogd.core.config import Config
+from watchdogd.core.workerenv import apply_env_knobs
+from watchdogd.daemon import Daemon
+from watchdogd.groups.supervisor import GroupError, GroupRunner, visible_gpus
+from watchdogd.linux import aio as _aio
+from watchdogd_client.groups import GroupSpec, GroupState
+
+__all__ = ["add_run_arguments", "run", "spec_from_args"]
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _flag(parser: argparse._ActionsContainer, name: str, **kwargs: object) -> None:
+    """A torchrun flag: ``--a-b`` and ``--a_b``, defaulting to ``$PET_A_B`` when set."""
+    dest = name.lstrip("-").replace("-", "_")
+    aliases = [name] if "-" not in name[2:] else [name, "--" + dest]
+    if "default" in kwargs:
+        kwargs["default"] = os.environ.get(f"PET_{dest.upper()}", kwargs["default"])
+    parser.add_argument(*aliases, dest=dest, **kwargs)  # type: ignore[arg-type]
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    _flag(parser, "--nproc-per-node", default="1", metavar="N",
+          help="workers on this node: a number, 'gpu', 'cpu' or 'auto'")  # fmt: skip
+    _flag(parser, "--nnodes", default="1", metavar="N[:N]", help="nodes in the job (static: fixed)")
+    _flag(parser, "--node-rank", type=int, default=0, help="this node's rank")
+    _flag(parser, "--master-addr", default="127.0.0.1", help="rank 0's address")
+    _flag(parser, "--master-port", type=int, default=None, help="rank 0's port (default: free)")
+    _flag(parser, "--max-restarts", type=int, default=0, help="restarts before failing")
+    _flag(parser, "--rdzv-backend", default="static", help="static, or etcd (v3 API)")
+    _flag(parser, "--rdzv-endpoint", default="", help="static: the master; etcd: HOST:PORT,…")
+    _flag(parser, "--rdzv-id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
+    _flag(parser, "--rdzv-conf", default="", help="etcd: join_timeout=…,last_call_timeout=…")
+    _flag(parser, "--local-addr", default=None, help="etcd: this node's address for the others")
+    _flag(parser, "--standalone", action="store_true", help="single node, free port")
+    _flag(parser, "--role", default="default", help="worker role name")
+    _flag(parser, "--log-dir", default=None, help="per-attempt, per-rank logs go here")
+    parser.add_argument(
+        "-r",
+        "--redirects",
+        default=os.environ.get("PET_REDIRECTS", "0"),
+        help="streams to files only: 0 none, 1 stdout, 2 stderr, 3 both; or per rank 0:1,1:3",
+    )
+    parser.add_argument(
+        "-t",
+        "--tee",
+        default=os.environ.get("PET_TEE", "0"),
+        help="streams to files and to the console with a prefix (same values as -r)",
+    )
+    _flag(parser, "--local-ranks-filter", default="", help="ranks whose tee'd output is shown")
+    _flag(parser, "--duplicate-stdout-filters", default="", help="copy stdout lines holding any")
+    _flag(parser, "--duplicate-stderr-filters", default="", help="... and stderr lines")
+    _flag(parser, "--log-line-prefix-template", default=None, help="e.g. '[$rank]:'")
+    _flag(parser, "--virtual-local-rank", action="store_true", help="one GPU per worker")
+    _flag(parser, "--shutdown-timeout", type=float, default=30.0, help="SIGTERM to SIGKILL")
+    _flag(parser, "--no-python", action="store_true", help="run SCRIPT as a program")
+    parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as python -m")
+    _flag(parser, "--run-path", action="store_true", help="run SCRIPT as a path (the default)")
+    _flag(parser, "--monitor-interval", type=float, default=0.1,
+          help="accepted for compatibility: exits are seen at once")  # fmt: skip
+    _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
+    parser.add_argument("--event-log", metavar="FILE", help="append events as JSON lines to FILE")
+    parser.add_argument(
+        "training_script", nargs="?", metavar="SCRIPT", help="script, module, or -- CMD ARGS"
+    )
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+
+
+def _nproc(value: str) -> int:
+    if value.isdigit():
+        return int(value)
+    gpus = visible_gpus()
+    if value == "gpu":
+        if not gpus:
+            raise ValueError("--nproc-per-node gpu: no GPU is visible")
+        return len(gpus)
+    if value == "cpu":
+        return os.cpu_count() or 1
+    if value == "auto":
+        return len(gpus) if gpus else os.cpu_count() or 1
+    raise ValueError(f"--nproc-per-node: expected a number, gpu, cpu or auto, got {value!r}")
+
+
+def _entrypoint(args: argparse.Namespace) -> list[str]:
+    script, rest = args.training_script, list(args.training_script_args)
+    if script is None:
+        raise ValueError("no SCRIPT given (or -- CMD ARGS)")
+    if script == "--":
+        if not rest:
+            raise ValueError("nothing to run after --")
+        return rest
+    if args.no_python:
+        return [script, *rest]
+    if args.module:
+        return [sys.executable, "-u", "-m", script, *rest]
+    return [sys.executable, "-u", script, *rest]
+
+
+def _comma_list(value: str) -> list[str]:
+    return [item for item in value.split(",") if item]
+
+
+_RDZV_CONF = {
+    "join_timeout": "join_timeout",
+    "timeout": "join_timeout",
+    "last_call_timeout": "last_call",
+    "last_call": "last_call",
+    "lease_ttl": "lease_ttl",
+}
+
+
+def _rendezvous(args: argparse.Namespace) -> dict[str, object]:
+    """``--rdzv-*``, ``--nnodes`` and friends, as a RendezvousSpec table."""
+    low, _, high = args.nnodes.partition(":")
+    if not low.isdigit() or (high and not high.isdigit()):
+        raise ValueError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX")
+    min_nodes, max_nodes = int(low), int(high or low)
+    backend = args.rdzv_backend
+    if backend in ("etcd", "etcd-v2", "etcd-v3"):
+        if not args.rdzv_endpoint:
+            raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT…]")
+        table: dict[str, object] = {
+            "backend": "etcd",
+            "endpoints": args.rdzv_endpoint.split(","),
+            "nnodes": max_nodes,
+            "min_nodes": min_nodes,
+            "run_id": args.rdzv_id,
+            "advertise_addr": args.local_addr,
+        }
+        for item in filter(None, args.rdzv_conf.split(",")):
+            key, _, value = item.partition("=")
+            if key not in _RDZV_CONF:
+                raise ValueError(f"--rdzv-conf {key!r}: known keys are {', '.join(_RDZV_CONF)}")
+            table[_RDZV_CONF[key]] = float(value) if "." in value else int(value)
+        return table
+    if backend != "static":
+        raise ValueError(f"--rdzv-backend {backend!r}: use static or etcd")
+    if min_nodes != max_nodes:
+        raise ValueError(f"--nnodes {args.nnodes!r}: the static backend needs a fixed count")
+    master_addr, master_port = args.master_addr, args.master_port
+    if args.rdzv_endpoint and not args.standalone:
+        host, _, port = args.rdzv_endpoint.rpartition(":")
+        master_addr, master_port = host or args.rdzv_endpoint, int(port) if port else master_port
+    return {
+        "nnodes": max_nodes,
+        "node_rank": args.node_rank,
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "run_id": args.rdzv_id,
+    }
+
+
+def spec_from_args(args: argparse.Namespace) -> GroupSpec:
+    """The group torchrun would launch for these flags; ValueError names a bad one."""
+    rendezvous = _rendezvous(args)
+    nproc = _nproc(args.nproc_per_node)
+    env = {}
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so workers don't oversubscribe
+    log_dir = args.log_dir
+    filters = args.duplicate_stdout_filters or args.duplicate_stderr_filters
+    if log_dir is None and (args.redirects != "0" or args.tee != "0" or filters):
+        log_dir = tempfile.mkdtemp(prefix="watchdogd-logs-")
+    ranks_filter = (
+        [int(r) for r in args.local_ranks_filter.split(",")] if args.local_ranks_filter else None
+    )
+    try:
+        spec = msgspec.convert(
+            {
+                "name": args.role,
+                "entrypoint": _entrypoint(args),
+                "nproc": nproc,
+                "max_restarts": args.max_restarts,
+                "role": args.role,
+                "env": env,
+                "log_dir": log_dir,
+                "redirects": args.redirects,
+                "tee": args.tee,
+                "local_ranks_filter": ranks_filter,
+                "log_line_prefix_template": args.log_line_prefix_template,
+                "virtual_local_rank": args.virtual_local_rank,
+                "shutdown_timeout": args.shutdown_timeout,
+                "duplicate_stdout_filters": _comma_list(args.duplicate_stdout_filters),
+                "duplicate_stderr_filters": _comma_list(args.duplicate_stderr_filters),
+                "rendezvous": rendezvous,
+            },
+            GroupSpec,
+        )
+    except msgspec.ValidationError as e:
+        raise ValueError(str(e)) from None
+    return apply_env_knobs(spec, os.environ)
+
+
+def summarize(runner: GroupRunner, state: GroupState) -> str:
+    info = runner.info()
+    lines = [
+        f"watchdogd run: group {info.name} {state.value} "
+        f"after {info.attempt + 1} attempt(s), {runner.machine.restarts_used} restart(s)"
+    ]
+    failure = info.last_failure
+    if failure is not None:
+        lines.append(
+            f"  rank {failure.rank} (local rank {failure.local_rank}, pid {failure.pid}): "
+            f"{failure.reason}"
+        )
+        if failure.error_message:
+            lines.append(f"  error: {failure.error_message}")
+        if failure.error_file:
+            lines.append(f"  error file: {failure.error_file}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, config: Config) -> int:
+    try:
+        spec = spec_from_args(args)
+    except ValueError as e:
+        print(f"watchdogd run: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")
+    if timer_file and config.fifo is None:
+        config = msgspec.structs.replace(config, fifo=timer_file)  # serve torch's path
+    if args.event_log:
+        config = msgspec.structs.replace(config, event_log=args.event_log)
+    health_port = os.environ.get("TORCHELASTIC_HEALTH_CHECK_PORT")
+    if health_port and config.metrics_listen is None:
+        config = msgspec.structs.replace(config, metrics_listen=health_port)
+    runtime_dir = None
+    if config.runtime_dir is None and config.socket is None:
+        # A private timer service, so that it never collides with the node's daemon.
+        runtime_dir = Path(tempfile.mkdtemp(prefix="watchdogd-run-"))
+        config = msgspec.structs.replace(config, runtime_dir=str(runtime_dir))
+    if config.state_dir is None:
+        # Stack dumps of hung workers outlive the run: next to the logs, or in /tmp.
+        state_dir = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
+        config = msgspec.structs.replace(config, state_dir=str(state_dir) if state_dir else None)
+    daemon = Daemon(config)
+    outcome: dict[str, GroupState | int] = {}
+    try:
+        _aio.run(partial(_run_group, daemon, spec, outcome))
+    finally:
+        dumps = daemon.reaper.stacks.list() if daemon.reaper.stacks.directory.is_dir() else []
+        if dumps:
+            print(
+                f"watchdogd run: stacks of hung workers in {daemon.reaper.stacks.directory}",
+                file=sys.stderr,
+            )
+        if runtime_dir is not None:
+            if dumps:
+                for leftover in runtime_dir.iterdir():
+                    if leftover.name != "dumps":
+                        leftover.unlink()
+            else:
+                shutil.rmtree(runtime_dir)
+    if "error" in outcome:
+        return EXIT_USAGE
+    if "signal" in outcome:
+        return 128 + int(outcome["signal"])
+    runner = daemon.supervisor.groups[spec.name]
+    state = outcome.get("state", runner.state)
+    assert isinstance(state, GroupState)
+    if state is GroupState.SUCCEEDED:
+        return 0
+    print(summarize(runner, state), file=sys.stderr)
+    return EXIT_FAILED
+
+
+async def _run_group(daemon: Daemon, spec: GroupSpec, outcome: dict[str, GroupState | int]) -> None:
+    done = anyio.Event()
+
+    def finished(runner: GroupRunner, state: GroupState) -> None:
+        outcome["state"] = state
+        done.set()
+
+    async def until_done_or_signalled() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        outcome["signal"] = signum
+                        done.set()
+
+            tg.start_soon(watch_signals)
+            await done.wait()
+            tg.cancel_scope.cancel()
+
+    daemon.supervisor.on_finished = finished
+    async with anyio.create_task_group() as tg:
+        await tg.start(partial(daemon.serve, shutdown_trigger=until_done_or_signalled))
+        try:
+            daemon.supervisor.submit(spec)
+        except GroupError as e:
+            print(f"watchdogd run: {e}", file=sys.stderr)
+            outcome["error"] = 1
+            done.set()

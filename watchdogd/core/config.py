@@ -1,0 +1,131 @@
+"""The daemon's configuration: TOML decoded into Structs, in one call.
+
+Every field has a default, so an empty file (or none) is the embedded
+default. Unknown keys and bad values raise :class:`ConfigError` naming the
+key (``limits.max_frame``); nothing here exits the process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from watchdogd_client._paths import FIFO_NAME, SOCKET_NAME, default_runtime_dir
+from watchdogd_client.groups import GroupSpec
+
+__all__ = ["Config", "ConfigError", "Limits", "PolicyConfig", "decode_config"]
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ConfigError(Exception):
+    """A config file or option is invalid; the message names the key."""
+
+
+class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_line: Annotated[int, msgspec.Meta(ge=128)] = 64 * 1024
+    """Longest FIFO line kept; longer ones are dropped and reported."""
+    max_frame: Annotated[int, msgspec.Meta(ge=128)] = 64 * 1024
+    """Largest socket request frame; a larger declared length closes the connection."""
+    max_scope_len: PositiveInt = 1024
+    max_timers_per_pid: PositiveInt = 10_000
+    max_timers: PositiveInt = 2_000_000
+    max_connections: PositiveInt = 1024
+    max_pending_bytes: Annotated[int, msgspec.Meta(ge=4096)] = 1024 * 1024
+    """Replies held for one connection before the daemon stops reading from it."""
+    max_listed_timers: PositiveInt = 100_000
+    """Most timers one ``list_timers`` reply carries (soonest first; marked truncated)."""
+    fifo_pipe_size: Annotated[int, msgspec.Meta(ge=4096)] = 1024 * 1024
+    """Requested FIFO buffer (``F_SETPIPE_SZ``), capped by ``/proc/sys/fs/pipe-max-size``."""
+
+
+class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    protected_pids: list[Annotated[int, msgspec.Meta(ge=1)]] = []
+    fifo_allowed_uids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
+    """uids whose processes FIFO requests may target; default: the daemon's own uid."""
+    allowed_signals: list[Annotated[int, msgspec.Meta(ge=1, le=64)]] | None = None
+    """Signals a timer may carry; default: every valid signal."""
+    admin_group: str | None = "watchdogd"
+    """Members may arm timers on any unprotected process, like root."""
+
+
+FileMode = Annotated[int, msgspec.Meta(ge=0, le=0o777)]
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    runtime_dir: str | None = None
+    """Holds the socket and FIFO unless they are set; default per user (see README)."""
+    socket: str | None = None
+    fifo: str | None = None
+    socket_mode: FileMode = 0o660
+    fifo_mode: FileMode = 0o620
+    group: str | None = "watchdogd"
+    """Group owning the socket and FIFO; if no such group exists, the daemon's own."""
+    state_dir: str | None = None
+    """Where the timer snapshot lives; default ``$STATE_DIRECTORY`` (systemd), else runtime_dir."""
+    snapshot_interval: Annotated[float, msgspec.Meta(ge=0.01)] = 0.5
+    """Most often the snapshot is rewritten (seconds); it is written only after changes."""
+    event_log: str | None = None
+    """Append every event as one JSON line to this file."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+    """``text``: ``name key=value …`` lines; ``json``: each event as one JSON object."""
+    stack_dumps: Literal["auto", "faulthandler", "py-spy", "off"] = "auto"
+    """Capture a hung process's stacks before killing it (auto: faulthandler, else py-spy)."""
+    stack_dump_timeout: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    dumps_kept: PositiveInt = 100
+    kill_grace: Annotated[float, msgspec.Meta(ge=0)] | None = 10.0
+    """SIGKILL a process still alive this long after its timer's signal (None: never)."""
+    gpu_health: bool = False
+    """Watch NVML for XID and double-bit ECC errors; groups on a faulty GPU go UNHEALTHY."""
+    metrics_listen: str | None = None
+    """``PORT`` (loopback) or ``HOST:PORT`` for ``/metrics`` and ``/healthz``; None: off."""
+    health_max_lag: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """``/healthz`` answers 503 once the event loop has stalled this long."""
+    event_ring_size: PositiveInt = 10_000
+    """Recent events kept for ``watchdogctl events``."""
+    limits: Limits = msgspec.field(default_factory=Limits)
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    groups: list[GroupSpec] = []
+    """Worker groups started with the daemon (``[[groups]]`` tables)."""
+
+    def __post_init__(self) -> None:
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"group names must be unique, got {names}")
+
+    def runtime_path(self) -> Path:
+        return Path(self.runtime_dir) if self.runtime_dir else default_runtime_dir()
+
+    def socket_path(self) -> Path:
+        return Path(self.socket) if self.socket else self.runtime_path() / SOCKET_NAME
+
+    def fifo_path(self) -> Path:
+        return Path(self.fifo) if self.fifo else self.runtime_path() / FIFO_NAME
+
+    def state_path(self) -> Path:
+        if self.state_dir:
+            return Path(self.state_dir)
+        systemd_state = os.environ.get("STATE_DIRECTORY")
+        if systemd_state:
+            return Path(systemd_state.split(":")[0])
+        return self.socket_path().parent
+
+
+def _explain(error: msgspec.ValidationError | msgspec.DecodeError) -> str:
+    message = str(error)
+    if " - at `$." in message:
+        text, _, where = message.partition(" - at `$.")
+        return f"{where.rstrip('`')}: {text}"
+    return message
+
+
+def decode_config(data: bytes, source: str) -> Config:
+    """TOML ``data`` (read from ``source``, named in errors) as a :class:`Config`."""
+    try:
+        return msgspec.toml.decode(data, type=Config)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ConfigError(f"{source}: {_explain(e)}") from None

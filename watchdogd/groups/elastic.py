@@ -1,0 +1,124 @@
+"""A worker group's multi-node side: an etcd rendezvous round before every attempt.
+
+The group's state machine stays node-local; this driver adds what crosses
+nodes (the design's part 6, on :class:`~watchdogd.rendezvous.EtcdRendezvous`):
+
+- before each attempt, a round: this node's group rank, the world size and
+  the master come from it, and ``TORCHELASTIC_RESTART_COUNT`` is the job's;
+- a failed attempt is counted once for the whole job (:meth:`add_restart`),
+  so a quick rejoin cannot dodge ``max_restarts``; past it the rendezvous is
+  closed, which stops every node;
+- while workers run, a node waiting to join (scale-up) restarts the group
+  without counting; a lost node fails the attempt (counted); a closed
+  rendezvous stops it;
+- at the end, the exit barrier holds this node until every node's group
+  finished (bounded by ``exit_barrier_timeout``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+
+import anyio
+
+from watchdogd.core.rdzv_state import Change, RendezvousClosedError, RendezvousError
+from watchdogd.core.workerenv import Placement
+from watchdogd.groups.rendezvous import EtcdRendezvous, RendezvousResult
+from watchdogd_client.events import NodeState, RdzvEvent, record_rdzv_event
+from watchdogd_client.groups import GroupSpec, GroupState, RendezvousInfo
+
+__all__ = ["ElasticDriver", "RendezvousError"]
+
+log = logging.getLogger("watchdogd.elastic")
+
+
+def route_address(endpoint: str) -> str:
+    """This node's address on the route to ``endpoint`` (a UDP connect sends nothing)."""
+    host, _, port = endpoint.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host or endpoint, int(port or 2379)))
+            address: str = probe.getsockname()[0]
+            return address
+        except OSError:
+            return "127.0.0.1"
+
+
+class ElasticDriver:
+    def __init__(
+        self,
+        spec: GroupSpec,
+        on_event: Callable[[RdzvEvent], None],
+        free_port: Callable[[str], int],
+    ) -> None:
+        rdzv = spec.rendezvous
+        self.spec = spec
+        self.advertise = rdzv.advertise_addr or route_address(rdzv.endpoints[0])
+        self._free_port = free_port
+        self._on_event = on_event
+        self.rendezvous = EtcdRendezvous(
+            rdzv.endpoints,
+            rdzv.run_id,
+            rdzv.min_nodes or rdzv.nnodes,
+            rdzv.nnodes,
+            node_name=socket.gethostname(),
+            advertise_addr=self.advertise,
+            lease_ttl=rdzv.lease_ttl,
+            last_call=rdzv.last_call,
+            join_timeout=rdzv.join_timeout,
+            exit_barrier_timeout=spec.exit_barrier_timeout,
+            on_event=self._event,
+        )
+        self.result: RendezvousResult | None = None
+        self.restarts = 0
+        self._new_round = anyio.Event()
+
+    def _event(self, event: RdzvEvent) -> None:
+        record_rdzv_event(event)
+        self._on_event(event)
+
+    async def before_attempt(self, counted: bool) -> tuple[Placement, int]:
+        """This attempt's placement and the job's restart count; raises when the job is over."""
+        if counted:
+            self.restarts = await self.rendezvous.add_restart()
+            if self.restarts > self.spec.max_restarts:
+                await self.rendezvous.set_closed()
+                raise RendezvousClosedError(
+                    f"the job used its {self.spec.max_restarts} restarts: closed on every node"
+                )
+        self.result = await self.rendezvous.next_rendezvous(self._free_port(self.advertise))
+        self.restarts = self.result.restart_count
+        self._new_round.set()
+        return self.result.placement(), self.result.restart_count
+
+    async def watch(self, on_change: Callable[[Change], None]) -> None:
+        """Report the change that ends each round (once: the next round must start first)."""
+        while True:
+            await self._new_round.wait()
+            self._new_round = anyio.Event()
+            on_change(await self.rendezvous.wait_for_membership_change())
+
+    async def finish(self, state: GroupState) -> None:
+        """Close the job on failure, then wait at the exit barrier for the others."""
+        if state is GroupState.STOPPED:
+            return  # stopped here by an operator: leaving is enough, the others see it
+        outcome = NodeState.SUCCEEDED if state is GroupState.SUCCEEDED else NodeState.FAILED
+        try:
+            if outcome is NodeState.FAILED:
+                await self.rendezvous.set_closed()
+            await self.rendezvous.exit_barrier(outcome)
+        except RendezvousError as e:
+            log.warning("exit barrier of %s: %s", self.spec.name, e)
+
+    def info(self) -> RendezvousInfo:
+        result = self.result
+        return RendezvousInfo(
+            backend="etcd",
+            run_id=self.spec.rendezvous.run_id,
+            round=result.round if result else None,
+            group_rank=result.group_rank if result else -1,
+            group_world_size=result.group_world_size if result else 0,
+            waiting=self.rendezvous.num_nodes_waiting(),
+        )

@@ -1,0 +1,560 @@
+"""Running worker groups: processes, logs and exits, driven by :class:`GroupMachine`.
+
+Each group runs as one task. It feeds the machine what happens (a worker
+exited, a worker is stuck in D state, an operator asked to stop or restart)
+and carries out what the machine returns (spawn an attempt, signal ranks).
+Exits are learned from each worker's pidfd becoming readable — from the
+event loop, not a polling interval.
+
+Workers start in their own session, so a signal to a worker reaches its
+whole process group (data loaders, compilers) and nothing is orphaned:
+when a worker exits, whatever it left in its group is killed before the
+worker is reaped, while its pid still names that group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.abc
+import msgspec
+
+from watchdogd.core.dstate import DStateDetector
+from watchdogd.core.group_machine import Action, Finished, GroupMachine, Signal, Spawn, Transition
+from watchdogd.core.rdzv_state import Change
+from watchdogd.core.workerenv import (
+    Placement,
+    apply_env_knobs,
+    attempt_dir,
+    gpu_assignment,
+    log_prefix,
+    stream_routes,
+    worker_env,
+)
+from watchdogd.groups.elastic import ElasticDriver, RendezvousError
+from watchdogd.groups.worker_logs import StreamCopier, open_target, start_copier
+from watchdogd.linux import aio as _aio
+from watchdogd.linux.procs import read_stat
+from watchdogd_client.events import RdzvEvent
+from watchdogd_client.groups import Failure, GroupInfo, GroupSpec, GroupState, WorkerInfo
+
+if TYPE_CHECKING:
+    from watchdogd.daemon import Daemon
+
+__all__ = ["GroupError", "GroupRunner", "Supervisor"]
+
+log = logging.getLogger("watchdogd.supervisor")
+
+_TORCH_DEFAULT_PORT = 29500
+_UNBOUNDED = 2**62
+_DRAIN_TIMEOUT = 2.0
+
+
+class GroupError(Exception):
+    """A group cannot be started as specified (the message says why)."""
+
+
+def visible_gpus() -> list[str] | None:
+    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES``, else the driver's list."""
+    configured = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if configured is not None:
+        return [d.strip() for d in configured.split(",") if d.strip()]
+    driver = Path("/proc/driver/nvidia/gpus")
+    if driver.is_dir():
+        return [str(i) for i in range(len(list(driver.iterdir())))]
+    return None
+
+
+def free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((addr if addr not in ("localhost", "") else "127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def read_error_file(path: str | None) -> str | None:
+    """The message of a torch ``@record`` error file, if the worker wrote one."""
+    if path is None:
+        return None
+    try:
+        data = msgspec.json.decode(Path(path).read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    return str(message) if message is not None else None
+
+
+def describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+class _Worker:
+    def __init__(self, local_rank: int, rank: int, attempt: int, popen: subprocess.Popen[bytes]):
+        self.local_rank = local_rank
+        self.rank = rank
+        self.attempt = attempt
+        self.popen = popen
+        self.pid = popen.pid
+        self.pidfd = os.pidfd_open(popen.pid)
+        self.exitcode: int | None = None
+        self.exited = anyio.Event()
+        self.started = time.time()
+        self.error_file: str | None = None
+
+
+class GroupRunner:
+    """One worker group: its machine, its processes, its logs."""
+
+    def __init__(self, spec: GroupSpec, daemon: Daemon) -> None:
+        self.spec = spec
+        self.daemon = daemon
+        elastic = spec.rendezvous.backend == "etcd"
+        # Across nodes the job counts restarts (ElasticDriver): the machine only restarts.
+        restarts = _UNBOUNDED if elastic else spec.max_restarts
+        self.machine = GroupMachine(spec.nproc, restarts, spec.shutdown_timeout)
+        self.workers: dict[int, _Worker] = {}
+        self.copiers: list[StreamCopier] = []
+        self.last_failure: Failure | None = None
+        self.started_at = time.time()
+        self.hostname = socket.gethostname()
+        self.placement = self._place()
+        self.routes = stream_routes(spec)
+        self.gpus = self._assign_gpus()
+        self.finished = anyio.Event()
+        self._reason = ""
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream[tuple[str, int, int]](
+            math.inf
+        )
+        self._detector = (
+            DStateDetector(spec.uninterruptible_state_timeout)
+            if spec.uninterruptible_state_timeout
+            else None
+        )
+        self.elastic = ElasticDriver(spec, self._rdzv_event, free_port) if elastic else None
+        self._counted_restarts = 0
+
+    # -- setup -------------------------------------------------------------------
+
+    def _place(self) -> Placement:
+        rdzv = self.spec.rendezvous
+        port = rdzv.master_port
+        if port is None:
+            port = free_port(rdzv.master_addr) if rdzv.nnodes == 1 else _TORCH_DEFAULT_PORT
+        return Placement(
+            group_rank=rdzv.node_rank,
+            group_world_size=rdzv.nnodes,
+            master_addr=rdzv.master_addr,
+            master_port=port,
+            run_id=rdzv.run_id,
+        )
+
+    def _assign_gpus(self) -> dict[int, str | None]:
+        try:
+            return gpu_assignment(self.spec, visible_gpus())
+        except ValueError as e:
+            raise GroupError(f"group {self.spec.name}: {e}") from None
+
+    # -- control -----------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._control("stop")
+
+    def restart(self) -> None:
+        self._control("restart")
+
+    def mark_unhealthy(self, reason: str) -> None:
+        self._reason = reason
+        self._control("unhealthy")
+
+    def uses_gpu(self, index: int) -> bool:
+        """Whether any worker may see GPU ``index`` (all of them, if unrestricted)."""
+        return any(
+            devices is None or str(index) in devices.split(",") for devices in self.gpus.values()
+        )
+
+    def _control(self, command: str) -> None:
+        if self.finished.is_set():
+            raise GroupError(f"group {self.spec.name} is not running ({self.state.value})")
+        self._inbox_send.send_nowait((command, -1, -1))
+
+    @property
+    def state(self) -> GroupState:
+        return self.machine.state
+
+    def info(self) -> GroupInfo:
+        return GroupInfo(
+            name=self.spec.name,
+            state=self.machine.state,
+            attempt=self.machine.attempt,
+            restarts_left=(
+                max(0, self.spec.max_restarts - self.elastic.restarts)
+                if self.elastic
+                else self.machine.restarts_left
+            ),
+            workers=[
+                WorkerInfo(local_rank=w.local_rank, rank=w.rank, pid=w.pid, exitcode=w.exitcode)
+                for w in self.workers.values()
+            ],
+            last_failure=self.last_failure,
+            rendezvous=self.elastic.info() if self.elastic else None,
+            started_at=self.started_at,
+        )
+
+    # -- the loop ----------------------------------------------------------------
+
+    async def run(self) -> GroupState:
+        """Run the group to a final state (or STOPPED); every worker is gone on return."""
+        try:
+            if self.elastic is None:
+                return await self._run_attempts()
+            async with self.elastic.rendezvous, anyio.create_task_group() as tg:
+                tg.start_soon(self.elastic.watch, self._membership_changed)
+                try:
+                    final = await self._run_attempts()
+                except RendezvousError as e:
+                    self.last_failure = Failure(
+                        local_rank=-1, rank=-1, pid=0, exitcode=1, reason=str(e),
+                        timestamp=time.time(),
+                    )  # fmt: skip
+                    final = GroupState.FAILED
+                await self.elastic.finish(final)
+                tg.cancel_scope.cancel()
+            return final
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._kill_everything()
+            self._inbox_send.close()
+            self._inbox.close()
+            self.finished.set()
+
+    async def _run_attempts(self) -> GroupState:
+        final = await self._apply(self.machine.start())
+        while final is None:
+            final = await self._apply(await self._next_input())
+        return final
+
+    def _membership_changed(self, change: Change) -> None:
+        if self.finished.is_set():
+            return
+        match change:
+            case "waiting":
+                self._control("restart")  # scale-up: a new round, not a failure
+            case "lost":
+                self._reason = "a node of the job was lost"
+                self._control("fail")
+            case "closed":
+                self._control("stop")
+
+    def _rdzv_event(self, event: RdzvEvent) -> None:
+        self.daemon.emit(
+            f"rdzv_{event.name}",
+            group=self.spec.name,
+            run_id=event.run_id,
+            node_state=event.node_state.value,
+            rank=event.rank,
+            master_endpoint=event.master_endpoint,
+            message=event.message,
+            error=event.error_trace or None,
+        )
+
+    async def _next_input(self) -> list[Action]:
+        wakes = [t for t in (self.machine.next_wake(),) if t is not None]
+        if self._detector is not None:
+            wakes.append(time.monotonic() + self._detector.sample_interval())
+        delay = max(0.0, min(wakes) - time.monotonic()) if wakes else math.inf
+        with anyio.move_on_after(delay):
+            kind, local_rank, value = await self._inbox.receive()
+            now = time.monotonic()
+            match kind:
+                case "exit":
+                    return self._on_exit(local_rank, value, now)
+                case "stop":
+                    return self.machine.stop(now)
+                case "restart":
+                    return self.machine.restart(now)
+                case "unhealthy":
+                    return self.machine.unhealthy(self._reason, now)
+                case "fail":
+                    return self.machine.fail(self._reason, now)
+        now = time.monotonic()
+        return self.machine.tick(now) + self._sample_d_state(now)
+
+    def _sample_d_state(self, now: float) -> list[Action]:
+        if self._detector is None:
+            return []
+        states = {}
+        for worker in self.workers.values():
+            if worker.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    states[worker.local_rank] = read_stat(worker.pid).state
+        actions: list[Action] = []
+        for local_rank in self._detector.observe(states, now):
+            worker = self.workers[local_rank]
+            self._record_failure(worker, 0, "stuck in uninterruptible sleep (D state)")
+            actions += self.machine.worker_stuck(local_rank, now)
+        return actions
+
+    async def _apply(self, actions: list[Action]) -> GroupState | None:
+        final = None
+        for action in actions:
+            match action:
+                case Transition(old, new, reason, attempt):
+                    self.daemon.emit(
+                        "group_state",
+                        group=self.spec.name,
+                        old=old.value,
+                        state=new.value,
+                        reason=reason,
+                        attempt=attempt,
+                        run_id=self.placement.run_id,
+                        role=self.spec.role,
+                        hostname=self.hostname,
+                        agent_restarts=self.machine.restarts_used,
+                    )
+                case Spawn(attempt, restart_count):
+                    await self._start_attempt(attempt, restart_count)
+                case Signal(local_ranks, signum):
+                    for local_rank in local_ranks:
+                        self._signal(self.workers[local_rank], signum)
+                case Finished(state):
+                    final = state
+        return final
+
+    # -- processes ---------------------------------------------------------------
+
+    async def _start_attempt(self, attempt: int, restart_count: int) -> None:
+        if self.elastic is not None:
+            counted = restart_count > self._counted_restarts
+            self._counted_restarts = restart_count
+            self.placement, restart_count = await self.elastic.before_attempt(counted)
+        self._spawn_all(attempt, restart_count)
+
+    def _spawn_all(self, attempt: int, restart_count: int) -> None:
+        self.workers = {}
+        base = dict(os.environ)
+        directory = attempt_dir(self.spec, attempt)
+        for local_rank in range(self.spec.nproc):
+            rank = self.placement.group_rank * self.spec.nproc + local_rank
+            env = worker_env(
+                self.spec,
+                self.placement,
+                local_rank,
+                restart_count,
+                attempt,
+                base=base,
+                cuda_visible=self.gpus[local_rank],
+                socket_path=str(self.daemon.socket_path),
+                fifo_path=str(self.daemon.fifo_path),
+            )
+            rank_dir = directory / str(local_rank) if directory is not None else None
+            if rank_dir is not None:
+                rank_dir.mkdir(parents=True, exist_ok=True)
+            worker = self._spawn(local_rank, rank, attempt, env, rank_dir)
+            worker.error_file = env.get("TORCHELASTIC_ERROR_FILE")
+            self.workers[local_rank] = worker
+            self.daemon.supervised[worker.pid] = self.spec.name
+            _aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
+            self.daemon.emit_at(logging.DEBUG, "worker_started", **self._about(worker))
+
+    def _spawn(
+        self,
+        local_rank: int,
+        rank: int,
+        attempt: int,
+        env: dict[str, str],
+        rank_dir: Path | None,
+    ) -> _Worker:
+        out_route, err_route = self.routes[local_rank]
+        stdout = open_target(out_route, rank_dir)
+        stderr = open_target(err_route, rank_dir)
+        try:
+            popen = subprocess.Popen(
+                self.spec.entrypoint,
+                env=env,
+                cwd=self.spec.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        except OSError as e:
+            raise GroupError(
+                f"group {self.spec.name}: cannot start {self.spec.entrypoint[0]!r}: {e.strerror}"
+            ) from None
+        finally:
+            for target in (stdout, stderr):
+                if not isinstance(target, int | None):
+                    target.close()
+        prefix = log_prefix(self.spec, local_rank, rank, self.hostname).encode()
+        for route, pipe in ((out_route, popen.stdout), (err_route, popen.stderr)):
+            if pipe is not None:
+                self.copiers.append(start_copier(pipe, route, rank_dir, prefix))
+        return _Worker(local_rank, rank, attempt, popen)
+
+    def _signal(self, worker: _Worker, signum: int) -> None:
+        if worker.exitcode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            # The worker is not reaped yet, so its pid still names its process group.
+            os.killpg(worker.pid, signum)
+
+    def _on_pidfd(self, worker: _Worker) -> None:
+        # Still a zombie: its process group id cannot be reused yet.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        self._reap(worker, exited=True)
+        worker.exited.set()
+        self._inbox_send.send_nowait(("exit", worker.local_rank, worker.attempt))
+
+    def _reap(self, worker: _Worker, *, exited: bool) -> None:
+        """Stop watching ``worker`` and collect its exit status.
+
+        Only a worker its pidfd says ``exited`` is waited for; one that
+        SIGKILL could not end (stuck in uninterruptible sleep) is left to the
+        kernel rather than hang the event loop.
+        """
+        with contextlib.suppress(ValueError, OSError):
+            _aio.unwatch(worker.pidfd)
+            os.close(worker.pidfd)
+        worker.exitcode = worker.popen.wait() if exited else worker.popen.poll()
+        if worker.exitcode is None:
+            log.warning("worker pid %d did not exit after SIGKILL; left behind", worker.pid)
+        self.daemon.supervised.pop(worker.pid, None)
+
+    def _on_exit(self, local_rank: int, attempt: int, now: float) -> list[Action]:
+        worker = self.workers.get(local_rank)
+        if worker is None or worker.attempt != attempt or worker.exitcode is None:
+            return []
+        exitcode = worker.exitcode
+        expired_scope = self.daemon.expired_scopes.pop(worker.pid, None)
+        failed = exitcode != 0 and self.machine.state is GroupState.HEALTHY
+        if failed:
+            reason = describe_exit(exitcode)
+            if expired_scope is not None:
+                reason += f" (watchdogd: timer {expired_scope!r} expired)"
+            self._record_failure(worker, exitcode, reason)
+        self.daemon.emit_at(
+            logging.WARNING if failed else logging.DEBUG,
+            "worker_failed" if failed else "worker_exited",
+            **self._about(worker),
+            exitcode=exitcode,
+            reason=self.last_failure.reason if failed and self.last_failure else None,
+            total_run_time=round(time.time() - worker.started, 3),
+            raw_error=self.last_failure.error_message if failed and self.last_failure else None,
+        )
+        return self.machine.worker_exited(local_rank, exitcode, now)
+
+    def _about(self, worker: _Worker) -> dict[str, str | int | float | bool | None]:
+        """torch's worker event metadata."""
+        return {
+            "group": self.spec.name,
+            "run_id": self.placement.run_id,
+            "global_rank": worker.rank,
+            "group_rank": self.placement.group_rank,
+            "local_rank": worker.local_rank,
+            "worker_id": worker.pid,
+            "role": self.spec.role,
+            "hostname": self.hostname,
+            "attempt": worker.attempt,
+        }
+
+    def _record_failure(self, worker: _Worker, exitcode: int, reason: str) -> None:
+        self.last_failure = Failure(
+            local_rank=worker.local_rank,
+            rank=worker.rank,
+            pid=worker.pid,
+            exitcode=exitcode,
+            reason=reason,
+            error_file=worker.error_file,
+            error_message=read_error_file(worker.error_file),
+            timestamp=time.time(),
+        )
+
+    async def _kill_everything(self) -> None:
+        """On the way out: no worker survives, no output is lost."""
+        for worker in self.workers.values():
+            self._signal(worker, signal.SIGKILL)
+        with anyio.move_on_after(_DRAIN_TIMEOUT):
+            for worker in self.workers.values():
+                await worker.exited.wait()
+            for copier in self.copiers:
+                await copier.done.wait()
+        for copier in self.copiers:
+            copier.close()
+        for worker in self.workers.values():
+            if not worker.exited.is_set():
+                self._reap(worker, exited=False)
+
+
+class Supervisor:
+    """The daemon's worker groups, by name."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.groups: dict[str, GroupRunner] = {}
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self.on_finished: Callable[[GroupRunner, GroupState], None] | None = None
+
+    def attach(self, task_group: anyio.abc.TaskGroup) -> None:
+        self._task_group = task_group
+
+    def submit(self, spec: GroupSpec) -> GroupRunner:
+        """Start a group; GroupError if its name is running already or the spec cannot run."""
+        existing = self.groups.get(spec.name)
+        if existing is not None and not existing.finished.is_set():
+            raise GroupError(f"group {spec.name!r} is already running ({existing.state.value})")
+        if self._task_group is None:
+            raise GroupError("the supervisor is not running")
+        try:
+            spec = apply_env_knobs(spec, os.environ)
+        except ValueError as e:
+            raise GroupError(f"group {spec.name}: {e}") from None
+        runner = GroupRunner(spec, self.daemon)
+        self.groups[spec.name] = runner
+        self._task_group.start_soon(self._run, runner, name=f"group {spec.name}")
+        return runner
+
+    async def _run(self, runner: GroupRunner) -> None:
+        try:
+            state = await runner.run()
+        except GroupError as e:
+            self.daemon.emit("group_error", group=runner.spec.name, reason=str(e))
+            runner.last_failure = Failure(
+                local_rank=-1, rank=-1, pid=0, exitcode=127, reason=str(e), timestamp=time.time()
+            )
+            state = GroupState.FAILED
+        if self.on_finished is not None:
+            self.on_finished(runner, state)
+
+    def get(self, name: str) -> GroupRunner:
+        runner = self.groups.get(name)
+        if runner is None:
+            raise GroupError(f"no group named {name!r}")
+        return runner
+
+    async def stop_all(self) -> None:
+        """Stop every group gracefully (SIGTERM, then SIGKILL after its timeout)."""
+        running = [r for r in self.groups.values() if not r.finished.is_set()]
+        for runner in running:
+            runner.stop()
+        for runner in running:
+            await runner.finished.wait()

@@ -1,0 +1,185 @@
+"""Prometheus metrics and a health check, on an optional HTTP listener.
+
+Counters are the daemon's own (plain ints bumped on the hot path) and are
+read only when Prometheus scrapes, by a custom collector: serving a request
+costs no metrics work. The one histogram, expiry-to-signal latency, is
+observed only when a timer fires.
+
+The listener runs in a thread of its own, so that it can still answer when
+the event loop is stuck: ``/healthz`` is 200 while the loop makes progress
+and 503, with the lag, once it has not for ``health_max_lag`` seconds —
+which is exactly when an operator needs to know.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import anyio
+import msgspec
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from watchdogd_client.groups import GroupState
+
+if TYPE_CHECKING:
+    from watchdogd.daemon import Daemon
+
+__all__ = ["HealthServer", "LoopMonitor", "Metrics", "parse_listen"]
+
+# Often enough to see a stall within a second, rarely enough to cost ~0.05 % of a core.
+_TICK = 0.5
+
+
+class LoopMonitor:
+    """Measures the event loop's lag: how late a short sleep wakes up."""
+
+    def __init__(self) -> None:
+        self.last_progress = time.time()
+        self._last_tick = time.monotonic()
+        self.lag = 0.0
+
+    async def run(self) -> None:
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(_TICK)
+            now = time.monotonic()
+            self.lag = max(0.0, now - before - _TICK)
+            self._last_tick = now
+            self.last_progress = time.time()
+
+    def stalled_for(self) -> float:
+        """Seconds since the loop last ticked, beyond the tick itself (0 when healthy)."""
+        return max(0.0, time.monotonic() - self._last_tick - _TICK)
+
+
+class Metrics(Collector):
+    """The daemon's state as Prometheus metrics, read at scrape time."""
+
+    def __init__(self, daemon: Daemon, loop: LoopMonitor) -> None:
+        self.daemon = daemon
+        self.loop = loop
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.expiry_latency = Histogram(
+            "watchdogd_expiry_to_signal_seconds",
+            "From a timer's deadline to its signal being sent.",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2.5, 5),
+            registry=self.registry,
+        )
+        self.registry.register(self)
+
+    def collect(self) -> Iterable[Metric]:
+        daemon = self.daemon
+        yield GaugeMetricFamily("watchdogd_active_timers", "Timers armed now.", len(daemon.table))
+        yield GaugeMetricFamily(
+            "watchdogd_watched_processes", "Processes held by pidfd.", len(daemon.processes)
+        )
+        yield GaugeMetricFamily(
+            "watchdogd_connections", "Open socket connections.", daemon.connections
+        )
+        requests = CounterMetricFamily(
+            "watchdogd_requests", "Requests served.", labels=["transport", "op"]
+        )
+        for key, count in sorted(daemon.requests.items()):
+            transport, _, op = key.partition(".")
+            requests.add_metric([transport, op or "timer"], count)
+        yield requests
+        yield CounterMetricFamily(
+            "watchdogd_expiries", "Timers that expired.", daemon.counts["expired"]
+        )
+        kills = CounterMetricFamily("watchdogd_kills", "Signals sent.", labels=["signal"])
+        for signum, count in sorted(daemon.signals.items()):
+            kills.add_metric([str(signum)], count)
+        yield kills
+        yield CounterMetricFamily(
+            "watchdogd_escalations", "SIGKILLs after a grace.", daemon.counts["escalated"]
+        )
+        refusals = CounterMetricFamily("watchdogd_refusals", "Refused requests.", labels=["reason"])
+        for code, count in sorted(daemon.refusals.items()):
+            refusals.add_metric([code], count)
+        yield refusals
+        bad = CounterMetricFamily("watchdogd_bad_input", "Undecodable input.", labels=["transport"])
+        for transport, count in sorted(daemon.bad_inputs.items()):
+            bad.add_metric([transport], count)
+        yield bad
+        groups = GaugeMetricFamily("watchdogd_groups", "Worker groups.", labels=["state"])
+        runners = list(daemon.supervisor.groups.values())
+        for state in GroupState:
+            groups.add_metric([state.value], sum(1 for r in runners if r.state is state))
+        yield groups
+        yield CounterMetricFamily(
+            "watchdogd_worker_restarts",
+            "Group restarts after failures.",
+            sum(r.machine.restarts_used for r in runners),
+        )
+        yield GaugeMetricFamily(
+            "watchdogd_event_loop_lag_seconds",
+            "How late the event loop woke for its last tick.",
+            max(self.loop.lag, self.loop.stalled_for()),
+        )
+
+
+class Health(msgspec.Struct):
+    status: str
+    lag_s: float
+    last_progress_time: float
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes every few seconds are not news."""
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``PORT`` (loopback) or ``HOST:PORT``."""
+    host, _, port = value.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+class HealthServer:
+    """``/metrics`` and ``/healthz`` from a thread, alive even when the loop is not."""
+
+    def __init__(self, metrics: Metrics, address: tuple[str, int], max_lag: float) -> None:
+        self.metrics = metrics
+        self.max_lag = max_lag
+        self._metrics_app = make_wsgi_app(metrics.registry)
+        self._server: WSGIServer = make_server(
+            address[0], address[1], self._app, handler_class=_QuietHandler
+        )
+        self.address = (address[0], self._server.server_port)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="watchdogd-http", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def _app(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterator[bytes] | list[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/healthz":
+            loop = self.metrics.loop
+            lag = loop.stalled_for()
+            healthy = lag < self.max_lag
+            body = msgspec.json.encode(
+                Health("ok" if healthy else "stalled", round(lag, 3), loop.last_progress)
+            )
+            status = "200 OK" if healthy else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "application/json")])
+            return [body + b"\n"]
+        if path == "/metrics":
+            result: Iterator[bytes] = self._metrics_app(environ, start_response)
+            return result
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"try /metrics or /healthz\n"]

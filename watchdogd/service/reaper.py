@@ -1,0 +1,191 @@
+"""What happens when a timer expires: stacks, the requested signal, then SIGKILL.
+
+Rules
+-----
+- Each expired timer is recorded as a ``timer_expired`` event.
+- A process gets at most one signal per expiry round, the one of its
+  soonest expired timer with a signal ``> 0`` (torch semantics); a signal
+  ``<= 0`` records without killing.
+- Signals go through the pidfd taken when the process's first timer was
+  armed, so they can only reach that very process.
+- With stack dumps on, the hung process's Python stacks are captured first
+  (faulthandler if its client registered it, else py-spy), bounded by
+  ``stack_dump_timeout``. Captures run as their own tasks: a slow one
+  never delays another expiry.
+- When the requested signal is not SIGKILL and the process is still alive
+  ``kill_grace`` seconds later, it gets SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal as _signal
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.abc
+
+from watchdogd.core.timers import Timer
+from watchdogd.linux.procs import ProcessHandle, read_stat
+from watchdogd.linux.stacks import DumpInfo, StackStore, capture_faulthandler, capture_pyspy
+
+if TYPE_CHECKING:
+    from watchdogd.daemon import Daemon
+
+__all__ = ["Reaper"]
+
+log = logging.getLogger("watchdogd")
+
+Metadata = dict[str, str | int | float | bool | None]
+
+
+def describe(timer: Timer) -> Metadata:
+    return {
+        "pid": timer.pid,
+        "scope_id": timer.scope_id,
+        "signal": timer.signal,
+        "source": timer.source,
+        "uid": None if timer.uid < 0 else timer.uid,
+    }
+
+
+class Reaper:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.stacks = StackStore(daemon.config.state_path() / "dumps", daemon.config.dumps_kept)
+        # pid -> (start time, signal) of clients that registered faulthandler with us.
+        self.faulthandlers: dict[int, tuple[int, int]] = {}
+        self._task_group: anyio.abc.TaskGroup | None = None
+
+    def attach(self, task_group: anyio.abc.TaskGroup) -> None:
+        self._task_group = task_group
+        if self.daemon.config.stack_dumps != "off":
+            self.stacks.prepare()
+
+    # -- faulthandler registration (hello over the socket) -------------------------
+
+    def register_faulthandler(self, handle: ProcessHandle, signal: int) -> int | None:
+        """A descriptor for the client's faulthandler output, or None when dumps are off."""
+        if self.daemon.config.stack_dumps in ("off", "py-spy"):
+            return None
+        fd = self.stacks.faulthandler_file(handle.pid, handle.start_time)
+        self.faulthandlers[handle.pid] = (handle.start_time, signal)
+        return fd
+
+    def forget(self, handle: ProcessHandle) -> None:
+        registered = self.faulthandlers.pop(handle.pid, None)
+        if registered is not None:
+            self.stacks.forget_process(handle.pid, registered[0])
+
+    # -- expiry --------------------------------------------------------------------
+
+    def expire(self, expired: list[Timer]) -> None:
+        daemon = self.daemon
+        chosen: set[int] = set()
+        for timer in expired:
+            daemon.counts["expired"] += 1
+            handle = daemon.processes.get(timer.pid)
+            first = timer.signal > 0 and timer.pid not in chosen
+            if first:
+                chosen.add(timer.pid)
+            if (handle is not None and self._wants_stacks(timer, first)) or self._escalates(timer):
+                assert self._task_group is not None
+                self._task_group.start_soon(self._reap, timer, handle, first)
+            elif first:
+                self._signal(timer, handle, None)
+            else:
+                daemon.emit("timer_expired", **describe(timer), action="recorded")
+
+    def _wants_stacks(self, timer: Timer, first: bool) -> bool:
+        mode = self.daemon.config.stack_dumps
+        # Record-only timers get their stacks too: that is often their point.
+        return mode != "off" and (first or timer.signal <= 0)
+
+    def _escalates(self, timer: Timer) -> bool:
+        grace = self.daemon.config.kill_grace
+        return grace is not None and 0 < timer.signal != _signal.SIGKILL
+
+    async def _reap(self, timer: Timer, handle: ProcessHandle | None, first: bool) -> None:
+        dump = None
+        if handle is not None and self._wants_stacks(timer, first):
+            dump = await self._capture(timer, handle)
+        if not first:
+            self.daemon.emit(
+                "timer_expired",
+                **describe(timer),
+                action="recorded",
+                dump=dump.id if dump else None,
+            )
+            return
+        if not self._signal(timer, handle, dump) or handle is None or not self._escalates(timer):
+            return
+        grace = self.daemon.config.kill_grace
+        assert grace is not None
+        await anyio.sleep(grace)
+        if self.daemon.processes.get(timer.pid) is handle and not handle.exited():
+            try:
+                handle.send_signal(_signal.SIGKILL)
+            except ProcessLookupError:
+                return
+            self.daemon.counts["escalated"] += 1
+            self.daemon.emit(
+                "process_escalated", pid=timer.pid, scope_id=timer.scope_id, after_s=grace
+            )
+
+    async def _capture(self, timer: Timer, handle: ProcessHandle) -> DumpInfo | None:
+        config = self.daemon.config
+        text, method = None, ""
+        registered = self.faulthandlers.get(timer.pid)
+        with anyio.move_on_after(config.stack_dump_timeout):
+            if registered is not None and registered[0] == handle.start_time:
+                method = "faulthandler"
+                path = self.stacks.live_path(timer.pid, handle.start_time)
+                text = await capture_faulthandler(handle, path, registered[1])
+            if text is None and config.stack_dumps in ("auto", "py-spy") and not handle.exited():
+                method = "py-spy"
+                text = await capture_pyspy(timer.pid)
+        if text is None or not self._still_same(handle):
+            return None  # it exited meanwhile: what we read may be a newcomer's stacks
+        try:
+            return self.stacks.save(timer.pid, timer.scope_id, method, text)
+        except OSError as e:
+            log.error("cannot save the stack dump of pid %d: %s", timer.pid, e.strerror)
+            return None
+
+    @staticmethod
+    def _still_same(handle: ProcessHandle) -> bool:
+        if handle.exited():
+            return False
+        try:
+            return read_stat(handle.pid).start_time == handle.start_time
+        except ProcessLookupError:
+            return False
+
+    def _signal(self, timer: Timer, handle: ProcessHandle | None, dump: DumpInfo | None) -> bool:
+        daemon = self.daemon
+        try:
+            if handle is None:
+                raise ProcessLookupError(timer.pid)
+            handle.send_signal(timer.signal)
+        except ProcessLookupError:
+            daemon.counts["dropped"] += 1
+            daemon.emit("timer_expired", **describe(timer), action="process already gone")
+            return False
+        except OSError as e:
+            daemon.emit("timer_expired", **describe(timer), action=f"signal failed: {e.strerror}")
+            return False
+        late = time.monotonic() - timer.deadline
+        daemon.metrics.expiry_latency.observe(late)
+        daemon.counts["signalled"] += 1
+        daemon.signals[timer.signal] += 1
+        if timer.pid in daemon.supervised:
+            daemon.expired_scopes[timer.pid] = timer.scope_id
+        daemon.emit(
+            "timer_expired",
+            **describe(timer),
+            action="signalled",
+            late_ms=round(late * 1000, 3),
+            dump=dump.id if dump else None,
+        )
+        return True
