@@ -24,7 +24,7 @@ import msgspec
 
 from watchdogd.core.config import Config
 from watchdogd.daemon import Daemon
-from watchdogd.service.connections import _Peer
+from watchdogd.service.session import Peer, Session
 from watchdogd_client import protocol as p
 
 SCOPES = 50
@@ -35,8 +35,8 @@ async def measure(rounds: int, runtime: str, target: subprocess.Popen[bytes]) ->
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
         await tg.start(partial(daemon.serve, shutdown_trigger=stop.wait))
-        peer = _Peer(target.pid, 0, 0, admin=True)
-        peer.greeted = True
+        session = Session(daemon.socket_front.ports, Peer(target.pid, 0, 0, True, None))
+        session.greeted = True
         encode = msgspec.msgpack.encode
         expiration = time.time() + 3600
         frames = [
@@ -63,7 +63,7 @@ async def measure(rounds: int, runtime: str, target: subprocess.Popen[bytes]) ->
         ]  # fmt: skip
         results = {}
         for name, feed, items in (
-            ("socket", partial(daemon.socket_front._handle_frame, peer), frames),
+            ("socket", session._handle_frame, frames),
             ("fifo", daemon.fifo_front._line, lines),
         ):
             started = time.perf_counter()

@@ -66,10 +66,22 @@ def pid_namespace() -> list[str]:
     return command
 
 
+# The daemon fires every deadline on the node from one loop: a test fails if
+# the loop stalled longer than this while it ran (its LoopMonitor ticks fast).
+MAX_LOOP_STALL = 0.05
+_TEST_LOOP_TICK = 0.005
+
+
 @asynccontextmanager
-async def running_daemon(runtime_dir: Path, **settings: Any) -> AsyncIterator[Daemon]:
-    """Run a daemon in this event loop until the block ends (stopped by an event)."""
-    daemon = Daemon(Config(runtime_dir=str(runtime_dir), **settings))
+async def running_daemon(
+    runtime_dir: Path, *, max_stall: float | None = MAX_LOOP_STALL, **settings: Any
+) -> AsyncIterator[Daemon]:
+    """Run a daemon in this event loop until the block ends (stopped by an event).
+
+    Fails the test if the loop stalled for more than ``max_stall`` seconds
+    meanwhile (None: the test blocks the loop on purpose).
+    """
+    daemon = Daemon(Config(runtime_dir=str(runtime_dir), **settings), loop_tick=_TEST_LOOP_TICK)
     stop = anyio.Event()
     try:
         async with anyio.create_task_group() as tg:
@@ -80,6 +92,9 @@ async def running_daemon(runtime_dir: Path, **settings: Any) -> AsyncIterator[Da
                 stop.set()
     except BaseExceptionGroup as group:
         raise _sole_exception(group) from None
+    stall = daemon.loop_monitor.max_lag
+    if max_stall is not None:
+        assert stall <= max_stall, f"the event loop stalled for {stall * 1000:.0f} ms"
 
 
 def _sole_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:

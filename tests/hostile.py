@@ -211,13 +211,13 @@ def serve(runtime_dir: Path, config: str, env: dict[str, str] | None = None) -> 
 def capture_events(daemon: Daemon) -> list[tuple[str, dict[str, Any]]]:
     """Record every event an in-process daemon emits (it still logs them as usual)."""
     seen: list[tuple[str, dict[str, Any]]] = []
-    original = daemon.emit
+    original = daemon.events.emit
 
     def emit(name: str, **metadata: Any) -> None:
         seen.append((name, metadata))
         original(name, **metadata)
 
-    daemon.emit = emit  # type: ignore[method-assign]
+    daemon.events.emit = emit  # type: ignore[method-assign]
     return seen
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from watchdogd.groups.rendezvous import EtcdRendezvous, RendezvousError
+from watchdogd.groups.etcd_rendezvous import EtcdRendezvous, RendezvousError
 from watchdogd.linux import aio as _aio
 
 Report = Callable[[dict[str, Any]], None]

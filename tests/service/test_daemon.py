@@ -80,8 +80,8 @@ async def test_hung_process_is_killed_with_the_requested_signal(
             """
         )
         assert await exit_code(child) == -signal.SIGTERM
-        assert daemon.counts["signalled"] == 1
-        assert len(daemon.table) == 0
+        assert daemon.stats.signalled == 1
+        assert len(daemon.timers.table) == 0
 
 
 async def test_signal_zero_records_expiry_without_killing(short_dir: Path) -> None:
@@ -91,10 +91,10 @@ async def test_signal_zero_records_expiry_without_killing(short_dir: Path) -> No
             c = client(daemon)
             await call(c.acquire_for, child.pid, "record-only", time.time() + 0.1, 0)
             await call(c.sync)
-            await wait_for(lambda: daemon.counts["expired"] == 1)
+            await wait_for(lambda: daemon.stats.expired == 1)
             await anyio.sleep(0.2)
             assert child.poll() is None
-            assert daemon.counts["signalled"] == 0
+            assert daemon.stats.signalled == 0
         finally:
             child.kill()
             child.wait()
@@ -123,15 +123,15 @@ async def test_timers_of_an_exited_process_are_dropped_and_nothing_is_signalled(
         await call(c.acquire_for, child.pid, "a", time.time() + 0.5, 9)
         await call(c.acquire_for, child.pid, "b", time.time() + 0.5, 9)
         await call(c.sync)
-        assert len(daemon.table) == 2
+        assert len(daemon.timers.table) == 2
         assert child.stdin is not None
         child.stdin.close()
         assert await exit_code(child) == 0
-        await wait_for(lambda: len(daemon.table) == 0)
-        assert daemon.counts["dropped"] == 2
+        await wait_for(lambda: len(daemon.timers.table) == 0)
+        assert daemon.stats.dropped == 2
         await anyio.sleep(0.7)
-        assert daemon.counts["signalled"] == 0
-        assert child.pid not in daemon.processes
+        assert daemon.stats.signalled == 0
+        assert child.pid not in daemon.timers.processes
 
 
 async def test_release_disarms(short_dir: Path) -> None:
@@ -148,7 +148,7 @@ async def test_release_disarms(short_dir: Path) -> None:
             """
         )
         assert await exit_code(child) == 0
-        assert daemon.counts["expired"] == 0
+        assert daemon.stats.expired == 0
 
 
 # -- the socket protocol ------------------------------------------------------------
@@ -159,7 +159,7 @@ async def test_list_timers_shows_what_was_armed(short_dir: Path) -> None:
         c = client(daemon)
         await call(c.acquire_for, pid, "socket-scope", time.time() + 60, 9)
         fifo_write(daemon.fifo_path, fifo_line(pid, "fifo-scope", time.time() + 30))
-        await wait_for(lambda: len(daemon.table) == 2)
+        await wait_for(lambda: len(daemon.timers.table) == 2)
         timers = await call(wd.list_timers, str(daemon.socket_path))
         assert [(t.scope_id, t.source, t.pid) for t in timers] == [
             ("fifo-scope", "fifo", pid),
@@ -170,7 +170,7 @@ async def test_list_timers_shows_what_was_armed(short_dir: Path) -> None:
         assert timers[0].uid is None
         await call(c.release_all, pid)
         await call(c.sync)
-        assert len(daemon.table) == 0
+        assert len(daemon.timers.table) == 0
 
 
 async def test_errors_surface_by_the_next_call_and_on_sync(short_dir: Path) -> None:
@@ -203,8 +203,8 @@ async def test_errors_surface_by_the_next_call_and_on_sync(short_dir: Path) -> N
         assert raised_by[-1] in ("ghost", "fine")
         if raised_by[-1] == "fine":
             await call(c.sync)  # the call that raised was still delivered
-            assert [t.scope_id for t in daemon.table] == ["fine"]
-        assert daemon.counts["signalled"] == 0
+            assert [t.scope_id for t in daemon.timers.table] == ["fine"]
+        assert daemon.stats.signalled == 0
 
 
 async def test_the_daemon_never_targets_itself(short_dir: Path) -> None:
@@ -217,7 +217,7 @@ async def test_the_daemon_never_targets_itself(short_dir: Path) -> None:
 
         with pytest.raises(wd.RequestError, match="protected"):
             await call(arm_on_daemon)
-        assert len(daemon.table) == 0
+        assert len(daemon.timers.table) == 0
 
 
 def raw_connect(path: Path) -> socket.socket:
@@ -276,8 +276,8 @@ async def test_bad_frames_get_errors_and_cost_nothing_else(short_dir: Path) -> N
         ]
         assert [r.seq for r in replies] == list(range(8))
         assert "op" in replies[3].message  # names the offending field
-        assert daemon.counts["bad_input"] == 3  # the NaN is a refusal, not undecodable
-        assert [t.scope_id for t in daemon.table] == ["keep"]
+        assert daemon.stats.bad_input == 3  # the NaN is a refusal, not undecodable
+        assert [t.scope_id for t in daemon.timers.table] == ["keep"]
         await call(good.sync)
 
 
@@ -306,8 +306,8 @@ async def test_absurd_length_and_truncated_frames_close_only_that_connection(
         assert isinstance(reply, p.Error) and reply.code == "bad_frame"
         await call(truncated)
         await call(good.sync)
-        assert [t.scope_id for t in daemon.table] == ["keep"]
-        assert daemon.connections == 1
+        assert [t.scope_id for t in daemon.timers.table] == ["keep"]
+        assert daemon.stats.connections == 1
 
 
 async def test_version_mismatch_is_refused_clearly(short_dir: Path) -> None:
@@ -347,13 +347,13 @@ async def test_client_reconnects_and_rearms_after_daemon_restart(short_dir: Path
     try:
         async with running_daemon(short_dir) as daemon:
             assert await call(trainer.stdout.readline) == "armed\n"
-            assert [t.scope_id for t in daemon.table] == ["held"]
+            assert [t.scope_id for t in daemon.timers.table] == ["held"]
         async with running_daemon(short_dir) as daemon:
             trainer.stdin.write("go\n")
             trainer.stdin.flush()
             assert await call(trainer.stdout.readline) == "rearmed\n"
-            assert sorted(t.scope_id for t in daemon.table) == ["held", "new"]
-            assert {t.pid for t in daemon.table} == {trainer.pid}
+            assert sorted(t.scope_id for t in daemon.timers.table) == ["held", "new"]
+            assert {t.pid for t in daemon.timers.table} == {trainer.pid}
     finally:
         with trainer:
             trainer.kill()
@@ -387,12 +387,12 @@ async def test_malformed_fifo_lines_cost_only_themselves(short_dir: Path) -> Non
             + fifo_line(pid, "glued", soon)
             + fifo_line(pid, "two", soon),
         )
-        await wait_for(lambda: len(daemon.table) == 3)
-        assert sorted(t.scope_id for t in daemon.table) == ["glued", "one", "two"]
-        assert daemon.counts["bad_input"] == 5
+        await wait_for(lambda: len(daemon.timers.table) == 3)
+        assert sorted(t.scope_id for t in daemon.timers.table) == ["glued", "one", "two"]
+        assert daemon.stats.bad_input == 5
         # A release on the FIFO still works after all that.
         fifo_write(daemon.fifo_path, fifo_line(pid, "two", -1, 0))
-        await wait_for(lambda: len(daemon.table) == 2)
+        await wait_for(lambda: len(daemon.timers.table) == 2)
 
 
 async def test_fifo_requests_for_missing_or_protected_pids_are_refused(short_dir: Path) -> None:
@@ -403,10 +403,10 @@ async def test_fifo_requests_for_missing_or_protected_pids_are_refused(short_dir
             + fifo_line(999_999_999, "ghost", time.time() + 0.05)
             + fifo_line(os.getpid(), "daemon", time.time() + 0.05),
         )
-        await wait_for(lambda: daemon.counts["refused"] == 3)
-        assert len(daemon.table) == 0
+        await wait_for(lambda: daemon.stats.refused == 3)
+        assert len(daemon.timers.table) == 0
         await anyio.sleep(0.2)
-        assert daemon.counts["signalled"] == 0
+        assert daemon.stats.signalled == 0
 
 
 async def test_fifo_client_waits_for_room_instead_of_failing(short_dir: Path) -> None:
@@ -421,8 +421,8 @@ async def test_fifo_client_waits_for_room_instead_of_failing(short_dir: Path) ->
             """
         )
         assert await exit_code(child, 60) == 0
-        await wait_for(lambda: daemon.requests["fifo"] == 40000)
-        assert daemon.counts["bad_input"] == 0
+        await wait_for(lambda: daemon.stats.requests["fifo"] == 40000)
+        assert daemon.stats.bad_input == 0
 
 
 # -- endpoints ----------------------------------------------------------------------

@@ -35,7 +35,7 @@ async def test_gpu_fault_makes_the_groups_on_that_gpu_unhealthy(short_dir: Path)
         first = daemon.supervisor.get("on01")
         second = daemon.supervisor.get("on2")
         await wait_for(lambda: len(first.workers) == 2 and len(second.workers) == 1)
-        daemon.gpu_fault(1, "XID 79")
+        daemon.supervisor.gpu_fault(1, "XID 79")
         await wait_for(lambda: first.finished.is_set())
         assert first.state is GroupState.UNHEALTHY
         assert first.machine.restarts_left == 3  # no restart on a broken GPU

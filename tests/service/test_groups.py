@@ -297,7 +297,7 @@ async def test_daemon_groups_from_config_and_control(short_dir: Path, tmp_path: 
             assert (info.name, info.state, info.attempt) == ("sleepy", GroupState.HEALTHY, 0)
             assert sorted(w.local_rank for w in info.workers) == [0, 1]
             first_pids = {w.pid for w in info.workers}
-            assert first_pids <= daemon.supervised.keys()
+            assert all(pid in daemon.supervisor.workers for pid in first_pids)
 
             await anyio.to_thread.run_sync(client.restart_group, "sleepy")
             await wait_for(lambda: runner.machine.attempt == 1 and len(runner.workers) == 2)

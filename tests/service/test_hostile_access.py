@@ -317,7 +317,9 @@ async def test_nobody_cannot_arm_or_disarm_timers_on_other_users_processes(
             assert await exit_code(decoy_f) == -signal.SIGKILL
             await anyio.sleep(0.3)
             assert root_proc.poll() is None and other.poll() is None
-            assert [(t.pid, t.scope_id) for t in daemon.table] == [(root_proc.pid, "root-watch")]
+            assert [(t.pid, t.scope_id) for t in daemon.timers.table] == [
+                (root_proc.pid, "root-watch")
+            ]
 
     by_socket = result["socket"]
     assert by_socket["own decoy"] is None
@@ -399,7 +401,7 @@ async def test_even_root_cannot_target_protected_processes(short_dir: Path) -> N
                 b"".join(fifo_line(pid, f"fifo-{name}", later) for name, pid in targets.items()),
             )
             await anyio.sleep(0.4)
-            assert len(daemon.table) == 0
+            assert len(daemon.timers.table) == 0
             assert configured.poll() is None
     for name, error in errors.items():
         assert error is not None and error.code == "refused", name
@@ -411,7 +413,7 @@ async def test_even_root_cannot_target_protected_processes(short_dir: Path) -> N
         f"fifo-{name}" for name in targets
     )
     assert all(m["code"] == "refused" for m in refused)
-    assert daemon.counts["signalled"] == 0
+    assert daemon.stats.signalled == 0
 
 
 def sysctl(name: str) -> str:
@@ -441,10 +443,10 @@ async def test_snapshot_planted_by_another_user_is_not_restored(short_dir: Path)
                 await call(c.sync)
         os.chown(path, NOBODY, NOBODY)  # fails if no snapshot was written: then nothing to test
         async with running_daemon(runtime) as daemon:
-            restored = [(t.pid, t.scope_id) for t in daemon.table]
+            restored = [(t.pid, t.scope_id) for t in daemon.timers.table]
             await anyio.sleep(deadline - time.time() + 0.5)
             alive = victim.poll() is None
-            signalled = daemon.counts["signalled"]
+            signalled = daemon.stats.signalled
     assert alive, "a snapshot owned by nobody made the root daemon kill root's process"
     assert restored == []
     assert signalled == 0

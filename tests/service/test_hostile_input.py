@@ -69,7 +69,7 @@ async def test_scope_id_longer_than_max_scope_len_is_refused(short_dir: Path) ->
                 ("socket", "limit_exceeded"),
                 ("fifo", "limit_exceeded"),
             ]
-            assert [t.scope_id for t in daemon.table] == ["s" * 16]
+            assert [t.scope_id for t in daemon.timers.table] == ["s" * 16]
 
 
 @pytest.mark.anyio
@@ -91,12 +91,12 @@ async def test_timer_count_limits_refuse_new_timers_only(short_dir: Path) -> Non
             error = await call(arm_error, path, b.pid, "b2", later)
             assert error is not None and error.code == "limit_exceeded"
             assert "max_timers" in error.message and "per_pid" not in error.message
-            assert len(daemon.table) == 5
+            assert len(daemon.timers.table) == 5
             with wd.SocketTimerClient(path) as c:
                 await call(c.release_for, b.pid, "b0")
                 await call(c.sync)
             assert await call(arm_error, path, b.pid, "b2", later) is None
-            assert daemon.counts["refused"] == 2
+            assert daemon.stats.refused == 2
 
 
 @pytest.mark.anyio
@@ -114,7 +114,7 @@ async def test_connection_beyond_max_connections_gets_an_error_with_seq_minus_on
                 assert (reply.seq, reply.code) == (-1, "limit_exceeded")
                 assert "max_connections" in reply.message
                 assert await call(receive, extra) is None  # closed
-            assert daemon.connections == 3
+            assert daemon.stats.connections == 3
             held.pop().close()
             await anyio.sleep(0.1)
             with wd.SocketTimerClient(daemon.socket_path) as c:
@@ -149,7 +149,7 @@ async def test_frame_larger_than_max_frame_is_bad_frame_and_closes(short_dir: Pa
         assert isinstance(error, p.Error) and error.code == "bad_frame"
         assert "257" in error.message
         assert closed is None
-        assert daemon.counts["bad_input"] == 1
+        assert daemon.stats.bad_input == 1
         with wd.SocketTimerClient(daemon.socket_path) as c:
             await call(c.sync)
 
@@ -172,8 +172,8 @@ async def test_fifo_line_longer_than_max_line_is_dropped_and_counted(short_dir: 
                 daemon.fifo_path, exact + over + b"y" * 10_000 + b"\n" + padded("after", 100)
             )
             await anyio.sleep(0.2)
-            assert sorted(t.scope_id for t in daemon.table) == ["after", "exact"]
-            assert daemon.counts["bad_input"] == 2
+            assert sorted(t.scope_id for t in daemon.timers.table) == ["after", "exact"]
+            assert daemon.stats.bad_input == 2
             reasons = [m["reason"] for name, m in events if name == "bad_input"]
             assert reasons == ["line longer than max_line (128)"] * 2
 
@@ -214,7 +214,10 @@ async def fifo_between_good_lines(
                 + fifo_line(victim.pid, "after", later),
             )
             await anyio.sleep(0.3)
-            return sorted(t.scope_id for t in daemon.table), dict(daemon.counts)
+            return sorted(t.scope_id for t in daemon.timers.table), {
+                "refused": daemon.stats.refused,
+                "bad_input": daemon.stats.bad_input,
+            }
 
 
 def test_out_of_range_pid_over_the_socket_is_an_error_not_a_crash(short_dir: Path) -> None:

@@ -186,7 +186,9 @@ async def test_metrics_parse_and_move(short_dir: Path) -> None:
 
 
 async def test_healthz_goes_503_while_the_loop_is_blocked(short_dir: Path) -> None:
-    async with running_daemon(short_dir, metrics_listen="127.0.0.1:0", health_max_lag=0.3) as d:
+    async with running_daemon(
+        short_dir, max_stall=None, metrics_listen="127.0.0.1:0", health_max_lag=0.3
+    ) as d:
         assert d.http_address is not None
         url = f"http://127.0.0.1:{d.http_address[1]}/healthz"
         await wait_for(lambda: d.loop_monitor.stalled_for() == 0)

@@ -340,7 +340,7 @@ async def reaper(stacks):
             result["arm_error"] = await anyio.to_thread.run_sync(
                 socket_error, a.pid, "step", deadline
             )
-            result["armed"] = [[t.pid, t.scope_id] for t in daemon.table]
+            result["armed"] = [[t.pid, t.scope_id] for t in daemon.timers.table]
             result["a_pid"] = a.pid
             # No await from here on: the event loop (and with it the pidfd exit
             # notice) is held off while A dies, B takes its pid and the deadline
@@ -352,8 +352,8 @@ async def reaper(stacks):
             with open(f"/proc/{b.pid}/stat") as f:
                 result["b_start"] = f.read().rpartition(")")[2].split()[19]
             time.sleep(max(0.0, deadline - time.time()) + 0.1)
-            result["still_in_table"] = [[t.pid, t.scope_id] for t in daemon.table]
-            daemon._expire(time.monotonic())
+            result["still_in_table"] = [[t.pid, t.scope_id] for t in daemon.timers.table]
+            daemon.timers.expire(time.monotonic())
             # Now the loop runs: the exit notice, and whatever the reaper does next.
             await anyio.sleep(0.5)
             tg.cancel_scope.cancel()
@@ -361,8 +361,8 @@ async def reaper(stacks):
         result["daemon_error"] = leaf_errors(e)
     b = held["b"]
     result["b_alive_after_deadline"] = b.poll() is None
-    result["counters"] = {k: daemon.counts[k] for k in ("signalled", "expired", "dropped")}
-    result["counters"]["timers"] = len(daemon.table)
+    result["counters"] = {k: getattr(daemon.stats, k) for k in ("signalled", "expired", "dropped")}
+    result["counters"]["timers"] = len(daemon.timers.table)
     b.terminate()
     result["b_returncode"] = b.wait()
     result["events"] = events()

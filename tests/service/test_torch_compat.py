@@ -43,8 +43,8 @@ async def test_torch_file_timer_client_arms_and_releases(short_dir: Path) -> Non
         assert child.stdin is not None and child.stdout is not None
         with child:
             try:
-                await wait_for(lambda: len(daemon.table) == 1, timeout=30)
-                (timer,) = daemon.table
+                await wait_for(lambda: len(daemon.timers.table) == 1, timeout=30)
+                (timer,) = daemon.timers.table
                 assert (timer.pid, timer.scope_id, timer.source) == (
                     child.pid,
                     "torch-scope",
@@ -53,7 +53,7 @@ async def test_torch_file_timer_client_arms_and_releases(short_dir: Path) -> Non
                 assert timer.signal == signal.SIGKILL
                 child.stdin.write("release\n")
                 child.stdin.flush()
-                await wait_for(lambda: len(daemon.table) == 0)
+                await wait_for(lambda: len(daemon.timers.table) == 0)
             finally:
                 child.kill()
 
@@ -80,8 +80,8 @@ async def test_torch_expires_gets_a_hung_worker_killed(short_dir: Path, client: 
             """
         )
         assert await exit_code(child, 60) == -signal.SIGKILL
-        assert daemon.counts["signalled"] == 1
-        assert daemon.counts["expired"] == 1
+        assert daemon.stats.signalled == 1
+        assert daemon.stats.expired == 1
 
 
 def fifo_descriptors(pid: int, fifo: Path) -> int:

@@ -23,7 +23,7 @@ import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from watchdogd.core.workerenv import Placement
-from watchdogd.groups.rendezvous import (
+from watchdogd.groups.etcd_rendezvous import (
     EtcdRendezvous,
     RendezvousClosedError,
     RendezvousConnectionError,

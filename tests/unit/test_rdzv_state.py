@@ -17,7 +17,7 @@ from watchdogd.core.rdzv_state import (
     waiting_count,
     where,
 )
-from watchdogd.groups.rendezvous import parse_endpoints, parse_nnodes
+from watchdogd.groups.etcd_rendezvous import parse_endpoints, parse_nnodes
 
 
 def node(name: str, port: int = 1000) -> Member:

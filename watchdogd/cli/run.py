@@ -23,9 +23,10 @@ import anyio
 import msgspec
 
 from watchdogd.core.config import Config
+from watchdogd.core.ports import GroupError
 from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd.daemon import Daemon
-from watchdogd.groups.supervisor import GroupError, GroupRunner, visible_gpus
+from watchdogd.groups.supervisor import GroupRunner, visible_gpus
 from watchdogd.linux import aio as _aio
 from watchdogd_client.groups import GroupSpec, GroupState
 
@@ -263,10 +264,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
     try:
         _aio.run(partial(_run_group, daemon, spec, outcome))
     finally:
-        dumps = daemon.reaper.stacks.list() if daemon.reaper.stacks.directory.is_dir() else []
+        dumps = daemon.stacks.list() if daemon.stacks.directory.is_dir() else []
         if dumps:
             print(
-                f"watchdogd run: stacks of hung workers in {daemon.reaper.stacks.directory}",
+                f"watchdogd run: stacks of hung workers in {daemon.stacks.directory}",
                 file=sys.stderr,
             )
         if runtime_dir is not None:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import anyio
 import anyio.abc
@@ -33,7 +33,8 @@ import msgspec
 
 from watchdogd.core.dstate import DStateDetector
 from watchdogd.core.group_machine import Action, Finished, GroupMachine, Signal, Spawn, Transition
-from watchdogd.core.rdzv_state import Change
+from watchdogd.core.ports import EventSink, GroupError
+from watchdogd.core.rdzv_state import Change, RendezvousError
 from watchdogd.core.workerenv import (
     Placement,
     apply_env_knobs,
@@ -43,27 +44,56 @@ from watchdogd.core.workerenv import (
     stream_routes,
     worker_env,
 )
-from watchdogd.groups.elastic import ElasticDriver, RendezvousError
+from watchdogd.groups.rendezvous import open_rendezvous
 from watchdogd.groups.worker_logs import StreamCopier, open_target, start_copier
-from watchdogd.linux import aio as _aio
+from watchdogd.linux import aio
 from watchdogd.linux.procs import read_stat
 from watchdogd_client.events import RdzvEvent
 from watchdogd_client.groups import Failure, GroupInfo, GroupSpec, GroupState, WorkerInfo
 
-if TYPE_CHECKING:
-    from watchdogd.daemon import Daemon
-
-__all__ = ["GroupError", "GroupRunner", "Supervisor"]
+__all__ = ["Endpoints", "GroupRunner", "Supervisor", "WorkerIndex"]
 
 log = logging.getLogger("watchdogd.supervisor")
 
-_TORCH_DEFAULT_PORT = 29500
-_UNBOUNDED = 2**62
 _DRAIN_TIMEOUT = 2.0
 
 
-class GroupError(Exception):
-    """A group cannot be started as specified (the message says why)."""
+class Endpoints(NamedTuple):
+    """The timer service's endpoints, handed to every worker."""
+
+    socket_path: str
+    fifo_path: str
+
+
+class WorkerIndex:
+    """The workers this daemon launched, by pid: the timer service's ``Supervision`` port.
+
+    FIFO requests may target these pids; a timer that signals one is kept
+    for its group's failure report.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[int, str] = {}
+        self._expired_scopes: dict[int, str] = {}
+
+    def add(self, pid: int, group: str) -> None:
+        self._groups[pid] = group
+
+    def remove(self, pid: int) -> None:
+        self._groups.pop(pid, None)
+
+    def take_expired_scope(self, pid: int) -> str | None:
+        return self._expired_scopes.pop(pid, None)
+
+    def is_supervised(self, pid: int) -> bool:
+        return pid in self._groups
+
+    def timer_fired(self, pid: int, scope_id: str) -> None:
+        if pid in self._groups:
+            self._expired_scopes[pid] = scope_id
+
+    def __contains__(self, pid: object) -> bool:
+        return pid in self._groups
 
 
 def visible_gpus() -> list[str] | None:
@@ -75,13 +105,6 @@ def visible_gpus() -> list[str] | None:
     if driver.is_dir():
         return [str(i) for i in range(len(list(driver.iterdir())))]
     return None
-
-
-def free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((addr if addr not in ("localhost", "") else "127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def read_error_file(path: str | None) -> str | None:
@@ -124,19 +147,23 @@ class _Worker:
 class GroupRunner:
     """One worker group: its machine, its processes, its logs."""
 
-    def __init__(self, spec: GroupSpec, daemon: Daemon) -> None:
+    def __init__(
+        self, spec: GroupSpec, *, events: EventSink, endpoints: Endpoints, workers: WorkerIndex
+    ) -> None:
         self.spec = spec
-        self.daemon = daemon
-        elastic = spec.rendezvous.backend == "etcd"
-        # Across nodes the job counts restarts (ElasticDriver): the machine only restarts.
-        restarts = _UNBOUNDED if elastic else spec.max_restarts
-        self.machine = GroupMachine(spec.nproc, restarts, spec.shutdown_timeout)
+        self.events = events
+        self.endpoints = endpoints
+        self.index = workers
+        self.rendezvous = open_rendezvous(spec, self._rdzv_event)
+        self.machine = GroupMachine(
+            spec.nproc, self.rendezvous.local_restarts, spec.shutdown_timeout
+        )
         self.workers: dict[int, _Worker] = {}
         self.copiers: list[StreamCopier] = []
         self.last_failure: Failure | None = None
         self.started_at = time.time()
         self.hostname = socket.gethostname()
-        self.placement = self._place()
+        self.placement: Placement | None = None
         self.routes = stream_routes(spec)
         self.gpus = self._assign_gpus()
         self.finished = anyio.Event()
@@ -149,23 +176,8 @@ class GroupRunner:
             if spec.uninterruptible_state_timeout
             else None
         )
-        self.elastic = ElasticDriver(spec, self._rdzv_event, free_port) if elastic else None
-        self._counted_restarts = 0
 
     # -- setup -------------------------------------------------------------------
-
-    def _place(self) -> Placement:
-        rdzv = self.spec.rendezvous
-        port = rdzv.master_port
-        if port is None:
-            port = free_port(rdzv.master_addr) if rdzv.nnodes == 1 else _TORCH_DEFAULT_PORT
-        return Placement(
-            group_rank=rdzv.node_rank,
-            group_world_size=rdzv.nnodes,
-            master_addr=rdzv.master_addr,
-            master_port=port,
-            run_id=rdzv.run_id,
-        )
 
     def _assign_gpus(self) -> dict[int, str | None]:
         try:
@@ -205,17 +217,13 @@ class GroupRunner:
             name=self.spec.name,
             state=self.machine.state,
             attempt=self.machine.attempt,
-            restarts_left=(
-                max(0, self.spec.max_restarts - self.elastic.restarts)
-                if self.elastic
-                else self.machine.restarts_left
-            ),
+            restarts_left=self.rendezvous.restarts_left(self.machine.restarts_left),
             workers=[
                 WorkerInfo(local_rank=w.local_rank, rank=w.rank, pid=w.pid, exitcode=w.exitcode)
                 for w in self.workers.values()
             ],
             last_failure=self.last_failure,
-            rendezvous=self.elastic.info() if self.elastic else None,
+            rendezvous=self.rendezvous.info(),
             started_at=self.started_at,
         )
 
@@ -224,10 +232,8 @@ class GroupRunner:
     async def run(self) -> GroupState:
         """Run the group to a final state (or STOPPED); every worker is gone on return."""
         try:
-            if self.elastic is None:
-                return await self._run_attempts()
-            async with self.elastic.rendezvous, anyio.create_task_group() as tg:
-                tg.start_soon(self.elastic.watch, self._membership_changed)
+            async with self.rendezvous, anyio.create_task_group() as tg:
+                tg.start_soon(self.rendezvous.watch, self._membership_changed)
                 try:
                     final = await self._run_attempts()
                 except RendezvousError as e:
@@ -236,7 +242,7 @@ class GroupRunner:
                         timestamp=time.time(),
                     )  # fmt: skip
                     final = GroupState.FAILED
-                await self.elastic.finish(final)
+                await self.rendezvous.finish(final)
                 tg.cancel_scope.cancel()
             return final
         finally:
@@ -265,7 +271,7 @@ class GroupRunner:
                 self._control("stop")
 
     def _rdzv_event(self, event: RdzvEvent) -> None:
-        self.daemon.emit(
+        self.events.emit(
             f"rdzv_{event.name}",
             group=self.spec.name,
             run_id=event.run_id,
@@ -318,14 +324,14 @@ class GroupRunner:
         for action in actions:
             match action:
                 case Transition(old, new, reason, attempt):
-                    self.daemon.emit(
+                    self.events.emit(
                         "group_state",
                         group=self.spec.name,
                         old=old.value,
                         state=new.value,
                         reason=reason,
                         attempt=attempt,
-                        run_id=self.placement.run_id,
+                        run_id=self.spec.rendezvous.run_id,
                         role=self.spec.role,
                         hostname=self.hostname,
                         agent_restarts=self.machine.restarts_used,
@@ -342,28 +348,23 @@ class GroupRunner:
     # -- processes ---------------------------------------------------------------
 
     async def _start_attempt(self, attempt: int, restart_count: int) -> None:
-        if self.elastic is not None:
-            counted = restart_count > self._counted_restarts
-            self._counted_restarts = restart_count
-            self.placement, restart_count = await self.elastic.before_attempt(counted)
-        self._spawn_all(attempt, restart_count)
-
-    def _spawn_all(self, attempt: int, restart_count: int) -> None:
+        placement, restart_count = await self.rendezvous.next_round(restart_count)
+        self.placement = placement
         self.workers = {}
         base = dict(os.environ)
         directory = attempt_dir(self.spec, attempt)
         for local_rank in range(self.spec.nproc):
-            rank = self.placement.group_rank * self.spec.nproc + local_rank
+            rank = placement.group_rank * self.spec.nproc + local_rank
             env = worker_env(
                 self.spec,
-                self.placement,
+                placement,
                 local_rank,
                 restart_count,
                 attempt,
                 base=base,
                 cuda_visible=self.gpus[local_rank],
-                socket_path=str(self.daemon.socket_path),
-                fifo_path=str(self.daemon.fifo_path),
+                socket_path=self.endpoints.socket_path,
+                fifo_path=self.endpoints.fifo_path,
             )
             rank_dir = directory / str(local_rank) if directory is not None else None
             if rank_dir is not None:
@@ -371,9 +372,9 @@ class GroupRunner:
             worker = self._spawn(local_rank, rank, attempt, env, rank_dir)
             worker.error_file = env.get("TORCHELASTIC_ERROR_FILE")
             self.workers[local_rank] = worker
-            self.daemon.supervised[worker.pid] = self.spec.name
-            _aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
-            self.daemon.emit_at(logging.DEBUG, "worker_started", **self._about(worker))
+            self.index.add(worker.pid, self.spec.name)
+            aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
+            self.events.emit_at(logging.DEBUG, "worker_started", **self._about(worker))
 
     def _spawn(
         self,
@@ -433,26 +434,26 @@ class GroupRunner:
         kernel rather than hang the event loop.
         """
         with contextlib.suppress(ValueError, OSError):
-            _aio.unwatch(worker.pidfd)
+            aio.unwatch(worker.pidfd)
             os.close(worker.pidfd)
         worker.exitcode = worker.popen.wait() if exited else worker.popen.poll()
         if worker.exitcode is None:
             log.warning("worker pid %d did not exit after SIGKILL; left behind", worker.pid)
-        self.daemon.supervised.pop(worker.pid, None)
+        self.index.remove(worker.pid)
 
     def _on_exit(self, local_rank: int, attempt: int, now: float) -> list[Action]:
         worker = self.workers.get(local_rank)
         if worker is None or worker.attempt != attempt or worker.exitcode is None:
             return []
         exitcode = worker.exitcode
-        expired_scope = self.daemon.expired_scopes.pop(worker.pid, None)
+        expired_scope = self.index.take_expired_scope(worker.pid)
         failed = exitcode != 0 and self.machine.state is GroupState.HEALTHY
         if failed:
             reason = describe_exit(exitcode)
             if expired_scope is not None:
                 reason += f" (watchdogd: timer {expired_scope!r} expired)"
             self._record_failure(worker, exitcode, reason)
-        self.daemon.emit_at(
+        self.events.emit_at(
             logging.WARNING if failed else logging.DEBUG,
             "worker_failed" if failed else "worker_exited",
             **self._about(worker),
@@ -467,9 +468,9 @@ class GroupRunner:
         """torch's worker event metadata."""
         return {
             "group": self.spec.name,
-            "run_id": self.placement.run_id,
+            "run_id": self.spec.rendezvous.run_id,
             "global_rank": worker.rank,
-            "group_rank": self.placement.group_rank,
+            "group_rank": self.placement.group_rank if self.placement else -1,
             "local_rank": worker.local_rank,
             "worker_id": worker.pid,
             "role": self.spec.role,
@@ -506,10 +507,12 @@ class GroupRunner:
 
 
 class Supervisor:
-    """The daemon's worker groups, by name."""
+    """The daemon's worker groups, by name: the socket's ``GroupControl`` port."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, events: EventSink, endpoints: Endpoints) -> None:
+        self.events = events
+        self.endpoints = endpoints
+        self.workers = WorkerIndex()
         self.groups: dict[str, GroupRunner] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
         self.on_finished: Callable[[GroupRunner, GroupState], None] | None = None
@@ -528,7 +531,9 @@ class Supervisor:
             spec = apply_env_knobs(spec, os.environ)
         except ValueError as e:
             raise GroupError(f"group {spec.name}: {e}") from None
-        runner = GroupRunner(spec, self.daemon)
+        runner = GroupRunner(
+            spec, events=self.events, endpoints=self.endpoints, workers=self.workers
+        )
         self.groups[spec.name] = runner
         self._task_group.start_soon(self._run, runner, name=f"group {spec.name}")
         return runner
@@ -537,7 +542,7 @@ class Supervisor:
         try:
             state = await runner.run()
         except GroupError as e:
-            self.daemon.emit("group_error", group=runner.spec.name, reason=str(e))
+            self.events.emit("group_error", group=runner.spec.name, reason=str(e))
             runner.last_failure = Failure(
                 local_rank=-1, rank=-1, pid=0, exitcode=127, reason=str(e), timestamp=time.time()
             )
@@ -550,6 +555,40 @@ class Supervisor:
         if runner is None:
             raise GroupError(f"no group named {name!r}")
         return runner
+
+    def stop(self, name: str) -> None:
+        self.get(name).stop()
+
+    def restart(self, name: str) -> None:
+        self.get(name).restart()
+
+    def infos(self) -> list[GroupInfo]:
+        return [runner.info() for runner in self.groups.values()]
+
+    def states(self) -> list[tuple[GroupState, int]]:
+        """Each group's state and the restarts it used (for metrics)."""
+        return [(r.state, r.machine.restarts_used) for r in self.groups.values()]
+
+    def worker_ranks(self) -> dict[int, tuple[str, int]]:
+        """Each running worker's pid, with its group and rank."""
+        return {
+            worker.pid: (runner.spec.name, worker.rank)
+            for runner in self.groups.values()
+            for worker in runner.workers.values()
+        }
+
+    def running(self) -> int:
+        return sum(1 for r in self.groups.values() if not r.finished.is_set())
+
+    def gpu_fault(self, index: int, description: str) -> None:
+        """A GPU reported a fatal error: the groups that may use it are UNHEALTHY."""
+        self.events.emit("gpu_fault", gpu=index, fault=description)
+        if index < 0:
+            return
+        for runner in self.groups.values():
+            if not runner.finished.is_set() and runner.uses_gpu(index):
+                with contextlib.suppress(GroupError):
+                    runner.mark_unhealthy(f"GPU {index}: {description}")
 
     async def stop_all(self) -> None:
         """Stop every group gracefully (SIGTERM, then SIGKILL after its timeout)."""

@@ -1,21 +1,30 @@
-"""Recent events, and the operators following them live.
+"""Recording events: the ring operators read, the daemon's log, torch's handlers.
 
-The daemon keeps the last ``capacity`` events in a ring, so ``watchdogctl
-events`` can show what just happened. A follower gets every new event
+:class:`EventLog` is the daemon's :class:`~watchdogd.core.ports.EventSink`.
+Each event goes to a ring of the last ``capacity`` events (``watchdogctl
+events`` shows what just happened), to the ``watchdogd`` logger (text or
+one JSON object a line), and to a torch-style event handler by name
+(``record``; ``null`` costs nothing). A follower gets every new event
 through a bounded buffer: a follower that reads too slowly loses events
 (and is told how many) — it never makes the daemon wait or grow.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from watchdogd_client.events import Event
+from watchdogd.core.ports import Metadata
+from watchdogd_client.events import Event, EventSource, record
+
+log = logging.getLogger("watchdogd")
 
 __all__ = ["EventLog", "Follower"]
 
@@ -43,10 +52,35 @@ class Follower:
 
 
 class EventLog:
-    def __init__(self, capacity: int = 10_000, follower_buffer: int = 1_000) -> None:
+    def __init__(
+        self,
+        capacity: int = 10_000,
+        *,
+        log_format: Literal["text", "json"] = "text",
+        destination: str = "null",
+        follower_buffer: int = 1_000,
+    ) -> None:
         self._ring: deque[Event] = deque(maxlen=capacity)
         self._followers: set[Follower] = set()
         self._follower_buffer = follower_buffer
+        self.log_format = log_format
+        self.destination = destination
+
+    def emit(self, name: str, /, **metadata: Metadata) -> None:
+        """Record an event, logged at INFO."""
+        self.emit_at(logging.INFO, name, **metadata)
+
+    def emit_at(self, level: int, name: str, /, **metadata: Metadata) -> None:
+        """Record an event, logged at ``level``."""
+        event = Event(name, EventSource.AGENT, time.time_ns() // 1_000_000, metadata)
+        self.append(event)
+        if log.isEnabledFor(level):
+            if self.log_format == "json":
+                log.log(level, "%s", event.serialize())
+            else:
+                fields = " ".join(f"{key}={value!r}" for key, value in metadata.items())
+                log.log(level, "%s %s", name, fields)
+        record(event, self.destination)
 
     def append(self, event: Event) -> None:
         self._ring.append(event)

@@ -15,20 +15,18 @@ import msgspec
 
 from watchdogd.core.policy import Requester
 from watchdogd.service.framing import OVERSIZED, LineSplitter
+from watchdogd.service.stats import Stats
+from watchdogd.service.timer_service import TimerOperations
 from watchdogd_client import protocol as p
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from watchdogd.daemon import Daemon
 
 __all__ = ["FifoFront"]
 
 log = logging.getLogger("watchdogd")
 
-_READ_CHUNK = 1 << 20
-# Bytes read per loop callback, so a flood cannot starve the socket and the
-# expiry loop; the callback runs again on the next loop iteration.
-_READ_BUDGET = 4 << 20
+# Bytes served per loop callback: about a thousand requests, a few ms, so a
+# flood cannot hold the expiry loop; the callback runs again on the next
+# loop iteration while the pipe holds more.
+_READ_CHUNK = 64 << 10
 _decoder = msgspec.json.Decoder(p.FileTimerRequest)
 _FIFO_REQUESTER = Requester("fifo")
 
@@ -36,20 +34,18 @@ _FIFO_REQUESTER = Requester("fifo")
 class FifoFront:
     """Serves the FIFO."""
 
-    def __init__(self, daemon: Daemon, max_line: int) -> None:
-        self.daemon = daemon
+    def __init__(self, timers: TimerOperations, stats: Stats, max_line: int) -> None:
+        self.timers = timers
+        self.stats = stats
         self.splitter = LineSplitter(max_line)
 
     def on_readable(self, fd: int) -> None:
-        budget = _READ_BUDGET
-        while budget > 0:
-            try:
-                data = os.read(fd, _READ_CHUNK)
-            except BlockingIOError:
-                return
-            budget -= len(data)
-            for line in self.splitter.feed(data):
-                self._line(line)
+        try:
+            data = os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            return
+        for line in self.splitter.feed(data):
+            self._line(line)
 
     def _line(self, line: bytes) -> None:
         try:
@@ -59,8 +55,8 @@ class FifoFront:
 
     def _serve_line(self, line: bytes) -> None:
         if line is OVERSIZED:
-            self.daemon.bad_input(
-                "fifo", f"line longer than max_line ({self.daemon.limits.max_line})", b""
+            self.timers.bad_input(
+                "fifo", f"line longer than max_line ({self.splitter.max_line})", b""
             )
             return
         if not line.strip():
@@ -68,11 +64,11 @@ class FifoFront:
         request = self._decode(line)
         if request is None:
             return
-        self.daemon.requests["fifo"] += 1
+        self.stats.requests["fifo"] += 1
         if request.version != 1:
-            self.daemon.bad_input("fifo", f"unsupported version {request.version}", line[:200])
+            self.timers.bad_input("fifo", f"unsupported version {request.version}", line[:200])
             return
-        error = self.daemon.arm(
+        error = self.timers.arm(
             _FIFO_REQUESTER,
             request.pid,
             request.scope_id,
@@ -80,7 +76,7 @@ class FifoFront:
             request.signal,
         )
         if error is not None:
-            self.daemon.refused("fifo", request.pid, request.scope_id, error)
+            self.timers.refused("fifo", request.pid, request.scope_id, error)
 
     def _decode(self, line: bytes) -> p.FileTimerRequest | None:
         try:
@@ -97,5 +93,5 @@ class FifoFront:
                 msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError
             ):
                 salvaged = _decoder.decode(line[start:])
-        self.daemon.bad_input("fifo", str(error), line[:start] if salvaged else line)
+        self.timers.bad_input("fifo", str(error), line[:start] if salvaged else line)
         return salvaged

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import anyio
@@ -25,10 +25,12 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from watchdogd.service.stats import Stats
+from watchdogd.service.timer_service import TimerService
 from watchdogd_client.groups import GroupState
 
-if TYPE_CHECKING:
-    from watchdogd.daemon import Daemon
+# Each group's state and how many restarts it used (the groups' port for metrics).
+GroupStates = Callable[[], Iterable[tuple[GroupState, int]]]
 
 __all__ = ["HealthServer", "LoopMonitor", "Metrics", "parse_listen"]
 
@@ -37,32 +39,45 @@ _TICK = 0.5
 
 
 class LoopMonitor:
-    """Measures the event loop's lag: how late a short sleep wakes up."""
+    """Measures the event loop's lag: how late a short sleep wakes up.
 
-    def __init__(self) -> None:
+    ``max_lag`` is the worst lag seen since start: the test harness runs the
+    daemon with a short ``tick`` and fails any test during which it passed
+    50 ms (a stall between ticks shows as the next tick's lateness).
+    """
+
+    def __init__(self, tick: float = _TICK) -> None:
+        self.tick = tick
         self.last_progress = time.time()
         self._last_tick = time.monotonic()
         self.lag = 0.0
+        self.max_lag = 0.0
 
     async def run(self) -> None:
+        tick = self.tick
         while True:
             before = time.monotonic()
-            await anyio.sleep(_TICK)
+            await anyio.sleep(tick)
             now = time.monotonic()
-            self.lag = max(0.0, now - before - _TICK)
+            self.lag = max(0.0, now - before - tick)
+            self.max_lag = max(self.max_lag, self.lag)
             self._last_tick = now
             self.last_progress = time.time()
 
     def stalled_for(self) -> float:
         """Seconds since the loop last ticked, beyond the tick itself (0 when healthy)."""
-        return max(0.0, time.monotonic() - self._last_tick - _TICK)
+        return max(0.0, time.monotonic() - self._last_tick - self.tick)
 
 
 class Metrics(Collector):
     """The daemon's state as Prometheus metrics, read at scrape time."""
 
-    def __init__(self, daemon: Daemon, loop: LoopMonitor) -> None:
-        self.daemon = daemon
+    def __init__(
+        self, stats: Stats, timers: TimerService, groups: GroupStates, loop: LoopMonitor
+    ) -> None:
+        self.stats = stats
+        self.timers = timers
+        self.groups = groups
         self.loop = loop
         self.registry = CollectorRegistry(auto_describe=False)
         self.expiry_latency = Histogram(
@@ -74,48 +89,46 @@ class Metrics(Collector):
         self.registry.register(self)
 
     def collect(self) -> Iterable[Metric]:
-        daemon = self.daemon
-        yield GaugeMetricFamily("watchdogd_active_timers", "Timers armed now.", len(daemon.table))
+        stats = self.stats
+        yield GaugeMetricFamily("watchdogd_active_timers", "Timers armed now.", len(self.timers))
         yield GaugeMetricFamily(
-            "watchdogd_watched_processes", "Processes held by pidfd.", len(daemon.processes)
+            "watchdogd_watched_processes", "Processes held by pidfd.", len(self.timers.processes)
         )
         yield GaugeMetricFamily(
-            "watchdogd_connections", "Open socket connections.", daemon.connections
+            "watchdogd_connections", "Open socket connections.", stats.connections
         )
         requests = CounterMetricFamily(
             "watchdogd_requests", "Requests served.", labels=["transport", "op"]
         )
-        for key, count in sorted(daemon.requests.items()):
+        for key, count in sorted(stats.requests.items()):
             transport, _, op = key.partition(".")
             requests.add_metric([transport, op or "timer"], count)
         yield requests
-        yield CounterMetricFamily(
-            "watchdogd_expiries", "Timers that expired.", daemon.counts["expired"]
-        )
+        yield CounterMetricFamily("watchdogd_expiries", "Timers that expired.", stats.expired)
         kills = CounterMetricFamily("watchdogd_kills", "Signals sent.", labels=["signal"])
-        for signum, count in sorted(daemon.signals.items()):
+        for signum, count in sorted(stats.signals.items()):
             kills.add_metric([str(signum)], count)
         yield kills
         yield CounterMetricFamily(
-            "watchdogd_escalations", "SIGKILLs after a grace.", daemon.counts["escalated"]
+            "watchdogd_escalations", "SIGKILLs after a grace.", stats.escalated
         )
         refusals = CounterMetricFamily("watchdogd_refusals", "Refused requests.", labels=["reason"])
-        for code, count in sorted(daemon.refusals.items()):
+        for code, count in sorted(stats.refusals.items()):
             refusals.add_metric([code], count)
         yield refusals
         bad = CounterMetricFamily("watchdogd_bad_input", "Undecodable input.", labels=["transport"])
-        for transport, count in sorted(daemon.bad_inputs.items()):
+        for transport, count in sorted(stats.bad_inputs.items()):
             bad.add_metric([transport], count)
         yield bad
         groups = GaugeMetricFamily("watchdogd_groups", "Worker groups.", labels=["state"])
-        runners = list(daemon.supervisor.groups.values())
+        states = list(self.groups())
         for state in GroupState:
-            groups.add_metric([state.value], sum(1 for r in runners if r.state is state))
+            groups.add_metric([state.value], sum(1 for s, _ in states if s is state))
         yield groups
         yield CounterMetricFamily(
             "watchdogd_worker_restarts",
             "Group restarts after failures.",
-            sum(r.machine.restarts_used for r in runners),
+            sum(restarts for _, restarts in states),
         )
         yield GaugeMetricFamily(
             "watchdogd_event_loop_lag_seconds",

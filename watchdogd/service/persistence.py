@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from watchdogd.linux.procs import open_process
+from watchdogd.core.ports import EventSink
 from watchdogd.linux.snapshot import (
     SNAPSHOT_NAME,
     SnapshotTimer,
@@ -28,37 +29,49 @@ from watchdogd.linux.snapshot import (
     UntrustedSnapshotError,
     read_snapshot,
 )
+from watchdogd.service.stats import Stats
 
-if TYPE_CHECKING:
-    from watchdogd.daemon import Daemon
-
-__all__ = ["Persistence"]
+__all__ = ["Persistence", "TimerStore"]
 
 log = logging.getLogger("watchdogd")
 
 
-class Persistence:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        self.path = daemon.config.state_path() / SNAPSHOT_NAME
-        self._dirty = False
-        self._dirty_event = anyio.Event()
+class TimerStore(Protocol):
+    """What persistence reads and restores: the timer service."""
 
-    def mark_dirty(self) -> None:
-        if not self._dirty:  # a plain bool on the hot path; the event only on the edge
-            self._dirty = True
-            self._dirty_event.set()
+    def __len__(self) -> int: ...
+
+    async def wait_changed(self) -> None: ...
+
+    def snapshot_timers(self) -> Iterator[list[SnapshotTimer]]: ...
+
+    def restore_timer(self, saved: SnapshotTimer, now: float, wall: float) -> bool: ...
+
+
+class Persistence:
+    def __init__(
+        self,
+        state_dir: Path,
+        store: TimerStore,
+        *,
+        events: EventSink,
+        stats: Stats,
+        interval: float,
+    ) -> None:
+        self.path = state_dir / SNAPSHOT_NAME
+        self.store = store
+        self.events = events
+        self.stats = stats
+        self.interval = interval
 
     async def run(self) -> None:
         """Rewrite the snapshot after changes, spending at most ~10 % of the loop on it."""
         while True:
-            await self._dirty_event.wait()
-            self._dirty_event = anyio.Event()
-            self._dirty = False
+            await self.store.wait_changed()
             started = time.monotonic()
             writer = SnapshotWriter(self.path, time.time())
             try:
-                for chunk in self._chunks():
+                for chunk in self.store.snapshot_timers():
                     writer.write(chunk)
                     await anyio.lowlevel.checkpoint()  # requests and expiries in between
                 await anyio.to_thread.run_sync(writer.commit)
@@ -66,32 +79,13 @@ class Persistence:
                 writer.abort()
                 raise
             spent = time.monotonic() - started
-            await anyio.sleep(max(self.daemon.config.snapshot_interval, 10 * spent))
-
-    def _chunks(self, size: int = 1000) -> Iterator[list[SnapshotTimer]]:
-        now, wall = time.monotonic(), time.time()
-        processes = self.daemon.processes
-        entries = self.daemon.table.entries()
-        for start in range(0, len(entries), size):
-            yield [
-                SnapshotTimer(
-                    t.pid,
-                    processes[t.pid].start_time,
-                    t.scope_id,
-                    wall + (t.deadline - now),
-                    t.signal,
-                    t.source,
-                    t.uid,
-                )
-                for t in entries[start : start + size]
-                if t.live and t.pid in processes
-            ]
+            await anyio.sleep(max(self.interval, 10 * spent))
 
     def write_now(self) -> None:
         """The final snapshot, on the way out."""
         try:
             writer = SnapshotWriter(self.path, time.time())
-            for chunk in self._chunks():
+            for chunk in self.store.snapshot_timers():
                 writer.write(chunk)
             writer.commit()
         except OSError as e:
@@ -99,40 +93,21 @@ class Persistence:
 
     def restore(self) -> None:
         """Re-arm the timers of the last run whose processes are still the same ones."""
-        daemon = self.daemon
         try:
             snapshot = read_snapshot(self.path)
         except UntrustedSnapshotError as e:
-            daemon.emit("snapshot_refused", path=str(self.path), reason=str(e))
+            self.events.emit("snapshot_refused", path=str(self.path), reason=str(e))
             return
         if snapshot is None:
             return
         header, saved_timers = snapshot
         now, wall = time.monotonic(), time.time()
-        gone = 0
-        for saved in saved_timers:
-            handle = daemon.processes.get(saved.pid)
-            if handle is None:
-                try:
-                    handle = open_process(saved.pid)
-                except (ProcessLookupError, OSError):
-                    gone += 1
-                    continue
-                if handle.start_time != saved.start_time:
-                    handle.close()  # the pid now names another process
-                    gone += 1
-                    continue
-                daemon.watch_process(handle)
-            deadline = now + (saved.expiration_time - wall)
-            daemon.table.arm(
-                saved.pid, saved.scope_id, deadline, saved.signal, saved.source, saved.uid
-            )
-        daemon.counts["dropped"] += gone
-        self.mark_dirty()
-        daemon.emit(
+        gone = sum(not self.store.restore_timer(saved, now, wall) for saved in saved_timers)
+        self.stats.dropped += gone
+        self.events.emit(
             "snapshot_restored",
             path=str(self.path),
-            timers=len(daemon.table),
+            timers=len(self.store),
             dropped=gone,
             age_s=round(wall - header.written_at, 3),
         )

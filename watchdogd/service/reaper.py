@@ -21,26 +21,31 @@ from __future__ import annotations
 import logging
 import signal as _signal
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import anyio
 import anyio.abc
 
+from watchdogd.core.config import Config
+from watchdogd.core.ports import EventSink, Metadata, Supervision
 from watchdogd.core.timers import Timer
 from watchdogd.linux.procs import ProcessHandle, read_stat
 from watchdogd.linux.stacks import DumpInfo, StackStore, capture_faulthandler, capture_pyspy
-
-if TYPE_CHECKING:
-    from watchdogd.daemon import Daemon
+from watchdogd.service.stats import Stats
 
 __all__ = ["Reaper"]
 
 log = logging.getLogger("watchdogd")
 
-Metadata = dict[str, str | int | float | bool | None]
+
+class ProcessLookup(Protocol):
+    def process(self, pid: int) -> ProcessHandle | None:
+        """The process a timer of ``pid`` was armed on, while it is watched."""
+        ...
 
 
-def describe(timer: Timer) -> Metadata:
+def describe(timer: Timer) -> dict[str, Metadata]:
     return {
         "pid": timer.pid,
         "scope_id": timer.scope_id,
@@ -51,23 +56,38 @@ def describe(timer: Timer) -> Metadata:
 
 
 class Reaper:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        self.stacks = StackStore(daemon.config.state_path() / "dumps", daemon.config.dumps_kept)
+    def __init__(
+        self,
+        settings: Config,
+        *,
+        processes: ProcessLookup,
+        events: EventSink,
+        stats: Stats,
+        supervision: Supervision,
+        stacks: StackStore,
+        observe_latency: Callable[[float], None],
+    ) -> None:
+        self.settings = settings
+        self.processes = processes
+        self.events = events
+        self.stats = stats
+        self.supervision = supervision
+        self.stacks = stacks
+        self.observe_latency = observe_latency
         # pid -> (start time, signal) of clients that registered faulthandler with us.
         self.faulthandlers: dict[int, tuple[int, int]] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
 
     def attach(self, task_group: anyio.abc.TaskGroup) -> None:
         self._task_group = task_group
-        if self.daemon.config.stack_dumps != "off":
+        if self.settings.stack_dumps != "off":
             self.stacks.prepare()
 
     # -- faulthandler registration (hello over the socket) -------------------------
 
     def register_faulthandler(self, handle: ProcessHandle, signal: int) -> int | None:
         """A descriptor for the client's faulthandler output, or None when dumps are off."""
-        if self.daemon.config.stack_dumps in ("off", "py-spy"):
+        if self.settings.stack_dumps in ("off", "py-spy"):
             return None
         fd = self.stacks.faulthandler_file(handle.pid, handle.start_time)
         self.faulthandlers[handle.pid] = (handle.start_time, signal)
@@ -81,11 +101,10 @@ class Reaper:
     # -- expiry --------------------------------------------------------------------
 
     def expire(self, expired: list[Timer]) -> None:
-        daemon = self.daemon
         chosen: set[int] = set()
         for timer in expired:
-            daemon.counts["expired"] += 1
-            handle = daemon.processes.get(timer.pid)
+            self.stats.expired += 1
+            handle = self.processes.process(timer.pid)
             first = timer.signal > 0 and timer.pid not in chosen
             if first:
                 chosen.add(timer.pid)
@@ -95,15 +114,15 @@ class Reaper:
             elif first:
                 self._signal(timer, handle, None)
             else:
-                daemon.emit("timer_expired", **describe(timer), action="recorded")
+                self.events.emit("timer_expired", **describe(timer), action="recorded")
 
     def _wants_stacks(self, timer: Timer, first: bool) -> bool:
-        mode = self.daemon.config.stack_dumps
+        mode = self.settings.stack_dumps
         # Record-only timers get their stacks too: that is often their point.
         return mode != "off" and (first or timer.signal <= 0)
 
     def _escalates(self, timer: Timer) -> bool:
-        grace = self.daemon.config.kill_grace
+        grace = self.settings.kill_grace
         return grace is not None and 0 < timer.signal != _signal.SIGKILL
 
     async def _reap(self, timer: Timer, handle: ProcessHandle | None, first: bool) -> None:
@@ -111,7 +130,7 @@ class Reaper:
         if handle is not None and self._wants_stacks(timer, first):
             dump = await self._capture(timer, handle)
         if not first:
-            self.daemon.emit(
+            self.events.emit(
                 "timer_expired",
                 **describe(timer),
                 action="recorded",
@@ -120,21 +139,21 @@ class Reaper:
             return
         if not self._signal(timer, handle, dump) or handle is None or not self._escalates(timer):
             return
-        grace = self.daemon.config.kill_grace
+        grace = self.settings.kill_grace
         assert grace is not None
         await anyio.sleep(grace)
-        if self.daemon.processes.get(timer.pid) is handle and not handle.exited():
+        if self.processes.process(timer.pid) is handle and not handle.exited():
             try:
                 handle.send_signal(_signal.SIGKILL)
             except ProcessLookupError:
                 return
-            self.daemon.counts["escalated"] += 1
-            self.daemon.emit(
+            self.stats.escalated += 1
+            self.events.emit(
                 "process_escalated", pid=timer.pid, scope_id=timer.scope_id, after_s=grace
             )
 
     async def _capture(self, timer: Timer, handle: ProcessHandle) -> DumpInfo | None:
-        config = self.daemon.config
+        config = self.settings
         text, method = None, ""
         registered = self.faulthandlers.get(timer.pid)
         with anyio.move_on_after(config.stack_dump_timeout):
@@ -163,25 +182,24 @@ class Reaper:
             return False
 
     def _signal(self, timer: Timer, handle: ProcessHandle | None, dump: DumpInfo | None) -> bool:
-        daemon = self.daemon
+        events = self.events
         try:
             if handle is None:
                 raise ProcessLookupError(timer.pid)
             handle.send_signal(timer.signal)
         except ProcessLookupError:
-            daemon.counts["dropped"] += 1
-            daemon.emit("timer_expired", **describe(timer), action="process already gone")
+            self.stats.dropped += 1
+            events.emit("timer_expired", **describe(timer), action="process already gone")
             return False
         except OSError as e:
-            daemon.emit("timer_expired", **describe(timer), action=f"signal failed: {e.strerror}")
+            events.emit("timer_expired", **describe(timer), action=f"signal failed: {e.strerror}")
             return False
         late = time.monotonic() - timer.deadline
-        daemon.metrics.expiry_latency.observe(late)
-        daemon.counts["signalled"] += 1
-        daemon.signals[timer.signal] += 1
-        if timer.pid in daemon.supervised:
-            daemon.expired_scopes[timer.pid] = timer.scope_id
-        daemon.emit(
+        self.observe_latency(late)
+        self.stats.signalled += 1
+        self.stats.signals[timer.signal] += 1
+        self.supervision.timer_fired(timer.pid, timer.scope_id)
+        events.emit(
             "timer_expired",
             **describe(timer),
             action="signalled",

@@ -1,7 +1,9 @@
-"""A worker group's multi-node side: an etcd rendezvous round before every attempt.
+"""The ``etcd`` rendezvous backend: an etcd round before every attempt.
 
-The group's state machine stays node-local; this driver adds what crosses
-nodes (the design's part 6, on :class:`~watchdogd.rendezvous.EtcdRendezvous`):
+The group's state machine stays node-local; this backend adds what crosses
+nodes (the design's part 6, on
+:class:`~watchdogd.groups.etcd_rendezvous.EtcdRendezvous`), behind the
+:class:`~watchdogd.groups.rendezvous.Rendezvous` interface:
 
 - before each attempt, a round: this node's group rank, the world size and
   the master come from it, and ``TORCHELASTIC_RESTART_COUNT`` is the job's;
@@ -20,18 +22,24 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
+from types import TracebackType
+from typing import Self
 
 import anyio
 
 from watchdogd.core.rdzv_state import Change, RendezvousClosedError, RendezvousError
 from watchdogd.core.workerenv import Placement
-from watchdogd.groups.rendezvous import EtcdRendezvous, RendezvousResult
+from watchdogd.groups.etcd_rendezvous import EtcdRendezvous, RendezvousResult
+from watchdogd.groups.rendezvous import free_port
 from watchdogd_client.events import NodeState, RdzvEvent, record_rdzv_event
 from watchdogd_client.groups import GroupSpec, GroupState, RendezvousInfo
 
-__all__ = ["ElasticDriver", "RendezvousError"]
+__all__ = ["EtcdBackend"]
 
-log = logging.getLogger("watchdogd.elastic")
+log = logging.getLogger("watchdogd.rendezvous")
+
+# Across nodes the job counts restarts: the node-local machine only restarts.
+_UNBOUNDED = 2**62
 
 
 def route_address(endpoint: str) -> str:
@@ -46,17 +54,13 @@ def route_address(endpoint: str) -> str:
             return "127.0.0.1"
 
 
-class ElasticDriver:
-    def __init__(
-        self,
-        spec: GroupSpec,
-        on_event: Callable[[RdzvEvent], None],
-        free_port: Callable[[str], int],
-    ) -> None:
+class EtcdBackend:
+    local_restarts = _UNBOUNDED
+
+    def __init__(self, spec: GroupSpec, on_event: Callable[[RdzvEvent], None]) -> None:
         rdzv = spec.rendezvous
         self.spec = spec
         self.advertise = rdzv.advertise_addr or route_address(rdzv.endpoints[0])
-        self._free_port = free_port
         self._on_event = on_event
         self.rendezvous = EtcdRendezvous(
             rdzv.endpoints,
@@ -73,14 +77,32 @@ class ElasticDriver:
         )
         self.result: RendezvousResult | None = None
         self.restarts = 0
+        self._local_restarts_seen = 0
         self._new_round = anyio.Event()
+
+    async def __aenter__(self) -> Self:
+        await self.rendezvous.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.rendezvous.__aexit__(exc_type, exc, tb)
 
     def _event(self, event: RdzvEvent) -> None:
         record_rdzv_event(event)
         self._on_event(event)
 
-    async def before_attempt(self, counted: bool) -> tuple[Placement, int]:
-        """This attempt's placement and the job's restart count; raises when the job is over."""
+    async def next_round(self, restart_count: int) -> tuple[Placement, int]:
+        """This attempt's placement and the job's restart count; raises when the job is over.
+
+        A failed attempt (the local count rose) is counted once for the whole job.
+        """
+        counted = restart_count > self._local_restarts_seen
+        self._local_restarts_seen = restart_count
         if counted:
             self.restarts = await self.rendezvous.add_restart()
             if self.restarts > self.spec.max_restarts:
@@ -88,7 +110,7 @@ class ElasticDriver:
                 raise RendezvousClosedError(
                     f"the job used its {self.spec.max_restarts} restarts: closed on every node"
                 )
-        self.result = await self.rendezvous.next_rendezvous(self._free_port(self.advertise))
+        self.result = await self.rendezvous.next_rendezvous(free_port(self.advertise))
         self.restarts = self.result.restart_count
         self._new_round.set()
         return self.result.placement(), self.result.restart_count
@@ -111,6 +133,9 @@ class ElasticDriver:
             await self.rendezvous.exit_barrier(outcome)
         except RendezvousError as e:
             log.warning("exit barrier of %s: %s", self.spec.name, e)
+
+    def restarts_left(self, local_left: int) -> int:
+        return max(0, self.spec.max_restarts - self.restarts)
 
     def info(self) -> RendezvousInfo:
         result = self.result

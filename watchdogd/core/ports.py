@@ -1,0 +1,54 @@
+"""The narrow interfaces the daemon's parts are handed, instead of the daemon.
+
+Pure typing: each part names what it needs from another as a
+``typing.Protocol`` here, and ``daemon.py`` (the composition root) passes the
+object that has it. The timer service (``service/``) and the worker groups
+(``groups/``) are siblings that never import each other; they meet only
+through these ports.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from watchdogd_client.groups import GroupInfo, GroupSpec
+
+__all__ = ["EventSink", "GroupControl", "GroupError", "Metadata", "Supervision"]
+
+Metadata = str | int | float | bool | None
+
+
+class GroupError(Exception):
+    """A group cannot be started, found or controlled as asked (the message says why)."""
+
+
+class EventSink(Protocol):
+    """Where a part records what happened (the event ring, the logs, torch's handlers)."""
+
+    def emit(self, name: str, /, **metadata: Metadata) -> None: ...
+
+    def emit_at(self, level: int, name: str, /, **metadata: Metadata) -> None: ...
+
+
+class Supervision(Protocol):
+    """What the timer service asks of whoever launches workers."""
+
+    def is_supervised(self, pid: int) -> bool:
+        """Whether ``pid`` is a worker the daemon launched (FIFO requests may target it)."""
+        ...
+
+    def timer_fired(self, pid: int, scope_id: str) -> None:
+        """The timer ``scope_id`` signalled ``pid``: the group's failure report names it."""
+        ...
+
+
+class GroupControl(Protocol):
+    """What operators may do to worker groups over the socket; GroupError when refused."""
+
+    def submit(self, spec: GroupSpec) -> object: ...
+
+    def stop(self, name: str) -> None: ...
+
+    def restart(self, name: str) -> None: ...
+
+    def infos(self) -> list[GroupInfo]: ...

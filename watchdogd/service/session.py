@@ -1,0 +1,243 @@
+"""One socket connection's conversation, without I/O (as h11 is for HTTP).
+
+The transport (:mod:`watchdogd.service.socket_front`) feeds a
+:class:`Session` the bytes it received and carries out what comes back:
+encoded replies to send, a reply that carries a descriptor, the switch to
+an event stream, or the end of the connection. The session decodes frames
+with one typed decoder into the protocol's tagged union and dispatches
+them with ``match``; timer requests call the timer service's operations,
+the same ones the FIFO front uses.
+
+Rules
+-----
+- The peer's identity is fixed at accept (kernel credentials); every
+  request acts with it. By default a request targets the peer's own pid,
+  pinned by its pidfd.
+- ``hello`` first, with the daemon's protocol version, or the request is
+  refused (a version mismatch ends the connection).
+- ``acquire``, ``release`` and ``release_all`` are answered only on error.
+- A frame longer than ``max_frame`` cannot be skipped safely: it is
+  reported and ends the connection. A bug costs one request (``internal``),
+  never the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import msgspec
+
+from watchdogd.core.policy import Requester
+from watchdogd.core.ports import GroupControl, GroupError
+from watchdogd.linux.procs import ProcessHandle
+from watchdogd.linux.stacks import StackStore
+from watchdogd.service.eventlog import EventLog
+from watchdogd.service.framing import FrameSplitter, FrameTooLargeError
+from watchdogd.service.stats import Stats
+from watchdogd.service.timer_service import ErrorReply, TimerService
+from watchdogd_client import protocol as p
+
+__all__ = ["Close", "Follow", "Peer", "SendFd", "Session", "SessionPorts"]
+
+log = logging.getLogger("watchdogd")
+
+_request_decoder = msgspec.msgpack.Decoder(p.Request)
+_reply_encoder = msgspec.msgpack.Encoder()
+_REQUEST_COUNTER = {kind: f"socket.{kind.__struct_config__.tag}" for kind in p.Request.__args__}
+
+
+def encode(reply: p.Reply) -> bytes:
+    return p.frame(_reply_encoder.encode(reply))
+
+
+class SessionPorts(NamedTuple):
+    """What a session may reach, the same for every connection."""
+
+    timers: TimerService
+    events: EventLog
+    stacks: StackStore
+    groups: GroupControl
+    stats: Stats
+    status: Callable[[int, bool], p.StatusInfo]
+    """``status(seq, admin)``: what the peer may see of the daemon's status."""
+
+
+class Peer:
+    """A connection's kernel-checked identity."""
+
+    __slots__ = ("admin", "gid", "handle", "pid", "requester", "uid")
+
+    def __init__(
+        self, pid: int, uid: int, gid: int, admin: bool, handle: ProcessHandle | None
+    ) -> None:
+        self.pid = pid
+        self.uid = uid
+        self.gid = gid
+        self.admin = admin
+        self.requester = Requester("socket", uid, admin)
+        self.handle = handle
+        """The peer itself, pinned by the pidfd the kernel took at connect (None if unknown)."""
+
+
+class SendFd(NamedTuple):
+    """Send this encoded reply with ``fd`` attached (``SCM_RIGHTS``), then close ``fd``."""
+
+    data: bytes
+    fd: int
+
+
+class Follow(NamedTuple):
+    """Send what is queued, then stream events on this connection until it closes."""
+
+    request: p.GetEvents
+    seq: int
+
+
+class Close(NamedTuple):
+    """Send what is queued, then close the connection."""
+
+
+Outgoing = bytes | SendFd | Follow | Close
+
+
+class Session:
+    def __init__(self, ports: SessionPorts, peer: Peer) -> None:
+        self.ports = ports
+        self.peer = peer
+        self.seq = 0
+        self.greeted = False
+        self._splitter = FrameSplitter(ports.timers.limits.max_frame)
+
+    def feed(self, data: bytes) -> Iterator[Outgoing]:
+        """What to send in answer to ``data``, in order; a :class:`Close` is last."""
+        try:
+            for payload in self._splitter.feed(data):
+                reply = self._handle_frame(payload)
+                if reply is None:
+                    continue
+                if isinstance(reply, Follow | SendFd):
+                    yield reply
+                    continue
+                yield encode(reply)
+                if isinstance(reply, p.Error) and reply.code == "version_mismatch":
+                    yield Close()
+                    return
+        except FrameTooLargeError as e:
+            self.ports.timers.bad_input("socket", str(e), b"")
+            yield encode(p.Error(self.seq, "bad_frame", f"{e}; closing"))
+            yield Close()
+
+    def _handle_frame(self, payload: bytes) -> p.Reply | Follow | SendFd | None:
+        seq = self.seq
+        self.seq += 1
+        try:
+            request = _request_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
+            self.ports.timers.bad_input("socket", str(e), payload[:64])
+            return p.Error(seq, "bad_request", str(e))
+        try:
+            return self._dispatch(seq, request)
+        except Exception as e:
+            # A bug must cost one request, never the daemon and its timers.
+            log.exception(
+                "internal error serving %s from pid %d", type(request).__name__, self.peer.pid
+            )
+            return p.Error(seq, "internal", f"{type(e).__name__}: {e}")
+
+    def _greet(self, seq: int, request: p.Request) -> p.Reply | SendFd:
+        if not isinstance(request, p.Hello):
+            return p.Error(seq, "hello_required", "send hello before any other request")
+        if request.version != p.PROTOCOL_VERSION:
+            return p.Error(
+                seq,
+                "version_mismatch",
+                f"daemon speaks protocol {p.PROTOCOL_VERSION}, client {request.version}",
+            )
+        self.greeted = True
+        peer = self.peer
+        welcome = p.Welcome(seq, p.PROTOCOL_VERSION, os.getpid(), peer.pid, peer.uid)
+        if request.stack_signal is None:
+            return welcome
+        try:
+            fd = self.ports.timers.register_stack_dumps(peer.pid, request.stack_signal)
+        except OSError as e:
+            log.error("cannot open a stack dump file for pid %d: %s", peer.pid, e.strerror)
+            fd = None
+        if fd is None:
+            return welcome
+        return SendFd(encode(msgspec.structs.replace(welcome, stack_dumps=True)), fd)
+
+    def _dispatch(self, seq: int, request: p.Request) -> p.Reply | Follow | SendFd | None:
+        if not self.greeted:
+            return self._greet(seq, request)
+        ports, peer = self.ports, self.peer
+        ports.stats.requests[_REQUEST_COUNTER[type(request)]] += 1
+        timers = ports.timers
+        error: ErrorReply | None
+        target = peer.pid
+        match request:
+            case p.Acquire(scope_id, expiration_time, signal, pid):
+                target = peer.pid if pid is None else pid
+                pinned = peer.handle if pid is None else None
+                error = timers.arm(
+                    peer.requester, target, scope_id, expiration_time, signal, pinned
+                )
+            case p.Release(scope_id, pid):
+                target = peer.pid if pid is None else pid
+                error = timers.release(peer.requester, target, scope_id)
+            case p.ReleaseAll(pid):
+                target = peer.pid if pid is None else pid
+                error = timers.release_all(peer.requester, target)
+            case p.Sync():
+                return p.Synced(seq)
+            case p.ListTimers():
+                # Operators see every timer; others only those on their own processes.
+                return timers.timer_list(seq, None if peer.admin else peer.uid)
+            case p.GetStatus():
+                return ports.status(seq, peer.admin)
+            case p.GetEvents(since_ms=since_ms, limit=limit, follow=follow):
+                if follow:
+                    return Follow(request, seq)
+                return p.EventBatch(seq, ports.events.since(since_ms, limit))
+            case p.ListDumps():
+                return p.DumpList(seq, ports.stacks.list())
+            case p.GetDump(dump_id):
+                found = ports.stacks.read(dump_id)
+                if found is None:
+                    return p.Error(seq, "bad_request", f"no stack dump {dump_id!r}")
+                return p.DumpText(seq, *found)
+            case p.ListGroups():
+                return p.GroupList(seq, ports.groups.infos())
+            case p.SubmitGroup() | p.StopGroup() | p.RestartGroup():
+                return self._control_group(seq, request)
+            case p.Hello():
+                return p.Error(seq, "bad_request", "hello was already sent on this connection")
+        if error is None:
+            return None
+        timers.refused("socket", target, getattr(request, "scope_id", ""), error)
+        return p.Error(seq, *error)
+
+    def _control_group(
+        self, seq: int, request: p.SubmitGroup | p.StopGroup | p.RestartGroup
+    ) -> p.Reply:
+        if not self.peer.admin:
+            return p.Error(
+                seq, "refused", "only root and the admin group may submit, stop or restart groups"
+            )
+        groups = self.ports.groups
+        try:
+            match request:
+                case p.SubmitGroup(spec):
+                    groups.submit(spec)
+                    return p.Ok(seq, f"group {spec.name} started")
+                case p.StopGroup(name):
+                    groups.stop(name)
+                    return p.Ok(seq, f"group {name} stopping")
+                case p.RestartGroup(name):
+                    groups.restart(name)
+                    return p.Ok(seq, f"group {name} restarting")
+        except GroupError as e:
+            return p.Error(seq, "group_error", str(e))

@@ -1,0 +1,172 @@
+"""The socket front's transport: accept, identify, move bytes for a :class:`Session`.
+
+Each connection is identified once, at accept, by ``SO_PEERCRED`` (and its
+pidfd and groups, where the kernel records them); the conversation itself
+is the sans-IO :class:`~watchdogd.service.session.Session`. Replies are
+sent in batches; once ``max_pending_bytes`` of them wait, the front sends
+before it reads another request, so a client that sends and never reads
+stalls only itself, at a bounded cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+
+import anyio
+import anyio.abc
+from anyio.abc import SocketAttribute
+
+from watchdogd.linux.procs import ProcessHandle, open_process
+from watchdogd.service.session import Close, Follow, Peer, SendFd, Session, SessionPorts, encode
+from watchdogd_client import protocol as p
+
+__all__ = ["SocketFront"]
+
+_UCRED = struct.Struct("3i")
+# Linux socket options the socket module does not name (linux/asm-generic/socket.h).
+_SO_PEERGROUPS = 59
+_SO_PEERPIDFD = 77
+_MAX_GROUPS = 1024
+# Events sent to a follower in one frame at most.
+_EVENT_BATCH = 256
+
+
+def _pin_peer(raw: socket.socket, pid: int) -> ProcessHandle | None:
+    """The peer process itself, by the pidfd the kernel took at connect (Linux 6.5+).
+
+    A request with no pid targets this very process, never a later one that
+    got its number after it exited. None where the kernel cannot say.
+    """
+    try:
+        pidfd = raw.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+    except OSError:
+        return None
+    try:
+        return open_process(pid, pidfd)
+    except (ProcessLookupError, OSError):
+        return None
+
+
+def _is_admin(raw: socket.socket, uid: int, gid: int, admin_gid: int | None) -> bool:
+    """Root, or in the admin group — by the groups the kernel recorded at connect time.
+
+    Not ``/proc/<peer pid>``: by now that pid may name another process.
+    """
+    if uid == 0:
+        return True
+    if admin_gid is None:
+        return False
+    if gid == admin_gid:
+        return True
+    try:
+        data = raw.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * _MAX_GROUPS)
+    except OSError:
+        return False
+    groups = struct.unpack(f"{len(data) // 4}I", data)
+    return admin_gid in groups
+
+
+class SocketFront:
+    """Serves the daemon's Unix socket."""
+
+    def __init__(self, ports: SessionPorts, admin_gid: int | None) -> None:
+        self.ports = ports
+        self.admin_gid = admin_gid
+
+    async def serve(self, stream: anyio.abc.SocketStream) -> None:
+        stats, limits = self.ports.stats, self.ports.timers.limits
+        async with stream:
+            raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
+            pid, uid, gid = _UCRED.unpack(
+                raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            )
+            if stats.connections >= limits.max_connections:
+                refusal = p.Error(-1, "limit_exceeded", "too many connections (max_connections)")
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await stream.send(encode(refusal))
+                return
+            admin = _is_admin(raw, uid, gid, self.admin_gid)
+            peer = Peer(pid, uid, gid, admin, _pin_peer(raw, pid))
+            stats.connections += 1
+            try:
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await self._converse(stream, Session(self.ports, peer))
+            finally:
+                stats.connections -= 1
+                if peer.handle is not None:
+                    peer.handle.close()
+
+    async def _converse(self, stream: anyio.abc.SocketStream, session: Session) -> None:
+        """Serve one connection until it closes or must be closed."""
+        limit = self.ports.timers.limits.max_pending_bytes
+        outbox: list[bytes] = []
+        pending = 0
+
+        async def flush() -> None:
+            nonlocal pending
+            if outbox:
+                data = b"".join(outbox)
+                outbox.clear()
+                pending = 0
+                await stream.send(data)
+
+        while True:
+            try:
+                data = await stream.receive(1 << 16)
+            except anyio.EndOfStream:
+                return
+            for outgoing in session.feed(data):
+                match outgoing:
+                    case bytes():
+                        outbox.append(outgoing)
+                        pending += len(outgoing)
+                        if pending >= limit:
+                            await flush()
+                    case SendFd(reply, fd):
+                        await flush()
+                        await self._send_with_fd(stream, reply, fd)
+                    case Follow(request, seq):
+                        await flush()
+                        await self._stream_events(stream, request, seq)
+                        return
+                    case Close():
+                        await flush()
+                        return
+            await flush()
+
+    async def _stream_events(
+        self, stream: anyio.abc.SocketStream, request: p.GetEvents, seq: int
+    ) -> None:
+        with self.ports.events.follow(request.since_ms, request.limit) as (backlog, follower):
+            await stream.send(encode(p.EventBatch(seq, backlog)))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._until_closed, stream, tg.cancel_scope)
+                async for event in follower.receive:
+                    batch = [event]
+                    while len(batch) < _EVENT_BATCH:
+                        try:
+                            batch.append(follower.receive.receive_nowait())
+                        except anyio.WouldBlock:
+                            break
+                    await stream.send(encode(p.EventBatch(seq, batch, follower.take_dropped())))
+
+    @staticmethod
+    async def _until_closed(stream: anyio.abc.SocketStream, scope: anyio.CancelScope) -> None:
+        """A follower sends nothing more: what arrives is the end (or ignored)."""
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+            while True:
+                await stream.receive()
+        scope.cancel()
+
+    @staticmethod
+    async def _send_with_fd(stream: anyio.abc.SocketStream, reply: bytes, fd: int) -> None:
+        try:
+            if isinstance(stream, anyio.abc.UNIXSocketStream):
+                await stream.send_fds(reply, [fd])
+            else:
+                await stream.send(reply)
+        finally:
+            os.close(fd)
