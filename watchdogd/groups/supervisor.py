@@ -494,11 +494,15 @@ class GroupRunner:
         """On the way out: no worker survives, no output is lost."""
         for worker in self.workers.values():
             self._signal(worker, signal.SIGKILL)
-        with anyio.move_on_after(_DRAIN_TIMEOUT):
+        with anyio.move_on_after(_DRAIN_TIMEOUT) as drain:
             for worker in self.workers.values():
                 await worker.exited.wait()
             for copier in self.copiers:
                 await copier.done.wait()
+            # The consoles' threads may still be writing what the copiers handed them.
+            for console in {c.console for c in self.copiers if c.console is not None}:
+                left = drain.deadline - anyio.current_time()
+                await anyio.to_thread.run_sync(console.flush, left)
         for copier in self.copiers:
             copier.close()
         for worker in self.workers.values():

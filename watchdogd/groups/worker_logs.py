@@ -5,23 +5,69 @@ handed to the worker directly and costs the daemon nothing. The others are
 pipes the daemon reads from the event loop: every chunk goes to the rank's
 log file as is, complete lines go to the console with the rank's prefix and,
 if they match a filter, to ``filtered_<stream>.log``. A line still
-unterminated when the worker exits is written out too: nothing is lost.
+unterminated when the worker exits is written out too.
+
+The loop only reads and hands bytes on. Threads do every write, because a
+console or a disk may stall for as long as it likes, and the loop fires
+every deadline on the node.
+
+The console is best effort. One :class:`ConsoleWriter` per daemon stdout or
+stderr, shared by every rank shown there, holds whole lines in a buffer
+bounded at :data:`CONSOLE_BUFFER`; its thread writes them out with plain
+blocking writes, so ranks never interleave within a line. Lines that do not
+fit are dropped and counted; once the console has caught up with all it
+held, ``[watchdogd: N bytes dropped]`` marks the gap (N counts console
+bytes, prefixes included). A console that fails (EPIPE: its reader is gone)
+is given up with one warning. Writing from the loop instead would need
+``O_NONBLOCK``, a flag of the open file description: a dup shares it, and
+so do the parent shell and the daemon's own ``sys.stdout``/``sys.stderr``,
+which would then fail with EAGAIN; reopening ``/proc/self/fd/N`` gets a
+description of its own but fails on a socket (journald's stdout). So the
+console fd is left as it is. Each write is whole lines of at most
+``PIPE_BUF`` bytes where the lines allow, so on a pipe the daemon's own log
+records on stderr never land inside a worker's line either.
+
+The log files lose nothing. Each copier's thread writes its log file and its
+filtered copy, in order. When a stream's backlog reaches its bound
+(:data:`FILE_BACKLOG`), the loop stops reading that worker's pipe, so a slow
+disk slows the worker (its writes block on the full pipe), until the thread
+has written what it holds. ``close()`` stops reading but keeps what the pipe
+still holds; ``done`` is set once the thread has written everything up to
+the end of the pipe (or ``close()``) and closed the files.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import select
 import subprocess
-import sys
+import threading
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 import anyio
 
 from watchdogd.core.workerenv import StreamRoute
 from watchdogd.linux import aio as _aio
 
-__all__ = ["StreamCopier", "open_target", "start_copier"]
+__all__ = [
+    "CONSOLE_BUFFER",
+    "FILE_BACKLOG",
+    "ConsoleWriter",
+    "StreamCopier",
+    "console",
+    "open_target",
+    "start_copier",
+]
+
+log = logging.getLogger("watchdogd.worker_logs")
+
+CONSOLE_BUFFER = 1 << 20
+FILE_BACKLOG = 1 << 20
+_READ = 1 << 16
+# What a pipe can still hold once its worker is gone (the kernel's default pipe-max-size).
+_PIPE_MAX = 1 << 20
 
 
 def open_target(route: StreamRoute, rank_dir: Path | None) -> int | IO[bytes] | None:
@@ -35,13 +81,98 @@ def open_target(route: StreamRoute, rank_dir: Path | None) -> int | IO[bytes] | 
     return None
 
 
+class ConsoleWriter:
+    """A console: whole lines in a bounded buffer, written out by a thread of its own."""
+
+    def __init__(self, fd: int, limit: int = CONSOLE_BUFFER) -> None:
+        self.fd = fd
+        self.limit = limit
+        self._queue: list[bytes] = []
+        self._pending = 0  # accepted and not yet written, a marker included
+        self._dropped = 0  # since the last marker
+        self._broken = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name=f"watchdogd console {fd}", daemon=True).start()
+
+    def write(self, lines: bytes) -> None:
+        """Queue whole lines, or drop them when the buffer is full; never blocks."""
+        with self._cond:
+            if self._broken:
+                return
+            # Once dropping, keep dropping until the console has caught up: one marker per gap.
+            if self._dropped or self._pending + len(lines) > self.limit:
+                self._dropped += len(lines)
+                return
+            self._queue.append(lines)
+            self._pending += len(lines)
+            self._cond.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` until all it holds is written (blocks: call it from a thread)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._broken or not (self._pending or self._dropped), timeout
+            )
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._dropped)
+                if self._queue:
+                    data = b"".join(self._queue)
+                    self._queue.clear()
+                else:
+                    data = b"[watchdogd: %d bytes dropped]\n" % self._dropped
+                    self._dropped = 0
+                    self._pending += len(data)
+            try:
+                self._write(data)
+            except OSError as e:
+                with self._cond:
+                    self._broken = True
+                    self._cond.notify_all()
+                log.warning("console fd %d: %s; worker output goes to log files only", self.fd, e)
+                return
+            with self._cond:
+                self._pending -= len(data)
+                self._cond.notify_all()
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        start = 0
+        while start < len(data):
+            end = data.rfind(b"\n", start, start + select.PIPE_BUF) + 1
+            if end <= start:  # a line longer than PIPE_BUF: no single write keeps it whole
+                end = data.find(b"\n", start) + 1 or len(data)
+            while start < end:
+                try:
+                    start += os.write(self.fd, view[start:end])
+                except BlockingIOError:
+                    # Someone else made the shared console non-blocking: wait for room.
+                    select.select((), (self.fd,), ())
+
+
+_consoles: dict[str, ConsoleWriter] = {}
+
+
+def console(name: Literal["stdout", "stderr"]) -> ConsoleWriter:
+    """The daemon's own stdout or stderr, one writer for every rank shown there."""
+    if name not in _consoles:
+        _consoles[name] = ConsoleWriter(1 if name == "stdout" else 2)
+    return _consoles[name]
+
+
 class StreamCopier:
+    """One worker stream: read on the loop, written to its files by a thread, shown on a console."""
+
     def __init__(
         self,
         fd: int,
         route: StreamRoute,
         rank_dir: Path | None,
         prefix: bytes,
+        console: ConsoleWriter | None,
+        backlog: int = FILE_BACKLOG,
     ) -> None:
         self.fd = fd
         self.route = route
@@ -52,50 +183,136 @@ class StreamCopier:
             else None
         )
         self.filters = [f.encode() for f in route.filters]
-        self.console: IO[bytes] | None = None
-        if route.console != "none":
-            self.console = sys.stdout.buffer if route.name == "stdout" else sys.stderr.buffer
+        self.console = console
         self.prefix = prefix if route.console == "prefixed" else b""
         self.partial = b""
         self.done = anyio.Event()
+        self.paused = False  # not reading the pipe until the thread has caught up
+        self._limit = backlog
+        self._queue: list[tuple[bytes, bytes]] = []  # (chunk for the log, lines for the filtered)
+        self._backlog = 0
+        self._closed = False
+        self._ended = False  # for the thread: nothing more will be queued
+        self._write_failed = False
+        self._cond = threading.Condition()
+        self._call = _aio.loop_caller()
+        self._writer: threading.Thread | None = None
+        if self.file is not None or self.filtered is not None:
+            self._writer = threading.Thread(
+                target=self._write_files, name=f"watchdogd {route.name} log", daemon=True
+            )
+            self._writer.start()
         _aio.watch_readable(fd, self._on_readable)
 
     def _on_readable(self) -> None:
         try:
-            data = os.read(self.fd, 1 << 16)
+            data = os.read(self.fd, _READ)
         except BlockingIOError:
             return
         if not data:
             self.close()
             return
-        if self.file is not None:
-            self.file.write(data)
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
-        self._lines(lines)
+        if self._copy(data, lines) >= self._limit:
+            with self._cond:
+                self.paused = True
+            _aio.unwatch(self.fd)
 
-    def _lines(self, lines: list[bytes]) -> None:
-        if not lines:
-            return
-        if self.console is not None:
+    def _copy(self, data: bytes, lines: list[bytes]) -> int:
+        """Show ``lines``, queue ``data`` for the files; the files' backlog after it."""
+        if lines and self.console is not None:
             self.console.write(b"".join(self.prefix + line + b"\n" for line in lines))
-            self.console.flush()
+        if self._writer is None:
+            return 0
+        chunk = data if self.file is not None else b""
+        matching = b""
         if self.filtered is not None:
-            matching = [line for line in lines if any(f in line for f in self.filters)]
-            if matching:
-                self.filtered.write(b"".join(line + b"\n" for line in matching))
+            matching = b"".join(
+                line + b"\n" for line in lines if any(f in line for f in self.filters)
+            )
+        with self._cond:
+            self._queue.append((chunk, matching))
+            self._backlog += len(chunk) + len(matching)
+            self._cond.notify()
+            return self._backlog
 
     def close(self) -> None:
-        if self.done.is_set():
+        """Stop reading; what the pipe still holds and the last unterminated line are kept."""
+        if self._closed:
             return
+        self._closed = True
         _aio.unwatch(self.fd)
+        tail = self._rest_of_pipe()
         os.close(self.fd)
-        if self.partial:
-            self._lines([self.partial])
+        lines = (self.partial + tail).split(b"\n")
+        if not lines[-1]:
+            lines.pop()
+        self._copy(tail, lines)
+        if self._writer is None:
+            self.done.set()
+            return
+        with self._cond:
+            self._ended = True
+            self._cond.notify()
+
+    def _rest_of_pipe(self) -> bytes:
+        # Reading may have been paused when the worker died: its last output is still there.
+        chunks: list[bytes] = []
+        size = 0
+        while size < _PIPE_MAX:
+            try:
+                chunk = os.read(self.fd, _READ)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+
+    def _resume(self) -> None:
+        if not self._closed:
+            _aio.watch_readable(self.fd, self._on_readable)
+
+    def _write_files(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._ended)
+                batch, self._queue = self._queue, []
+            if not batch:
+                break
+            self._write(batch)
+            with self._cond:
+                self._backlog -= sum(len(chunk) + len(matching) for chunk, matching in batch)
+                resume, self.paused = self.paused, False
+            if resume:
+                self._call(self._resume)
         for file in (self.file, self.filtered):
             if file is not None:
-                file.close()
-        self.done.set()
+                try:
+                    file.close()
+                except OSError as e:
+                    self._lost(file, e)
+        self._call(self.done.set)
+
+    def _write(self, batch: list[tuple[bytes, bytes]]) -> None:
+        for file, data in (
+            (self.file, b"".join(chunk for chunk, _ in batch)),
+            (self.filtered, b"".join(lines for _, lines in batch)),
+        ):
+            if file is None or not data:
+                continue
+            try:
+                file.write(data)
+                file.flush()
+            except OSError as e:
+                self._lost(file, e)
+
+    def _lost(self, file: IO[bytes], error: OSError) -> None:
+        if not self._write_failed:
+            log.warning("cannot write %s: %s; worker output is being lost", file.name, error)
+        self._write_failed = True
 
 
 def start_copier(
@@ -105,4 +322,5 @@ def start_copier(
     fd = os.dup(pipe.fileno())
     pipe.close()
     os.set_blocking(fd, False)
-    return StreamCopier(fd, route, rank_dir, prefix)
+    shown = console(route.name) if route.console != "none" else None
+    return StreamCopier(fd, route, rank_dir, prefix, shown)

@@ -1,0 +1,201 @@
+"""Worker output through the daemon when its console or its log disk is slow or stuck.
+
+End to end, ``watchdogd run --tee`` with a console pipe nobody reads must
+still kill a hung rank and log every byte. In process, the copier with real
+pipes and a FIFO standing in for a stalled disk: a full console drops and
+marks, a backlogged file pauses the worker's pipe and resumes, and the last
+unterminated line is written on close.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import struct
+import subprocess
+import sys
+import termios
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from watchdogd.core.workerenv import StreamRoute
+from watchdogd.groups.worker_logs import ConsoleWriter, StreamCopier
+
+from ..conftest import wait_for, wait_until
+
+MARKER = re.compile(rb"\[watchdogd: (\d+) bytes dropped\]")
+LINES = 1 << 16  # 64-byte lines: 4 MiB
+RANK0 = b"".join(b"%07d %s\n" % (i, b"x" * 55) for i in range(LINES))
+WRITE_RANK0 = f"""
+for i in range({LINES}):
+    sys.stdout.buffer.write(b"%07d %s\\n" % (i, b"x" * 55))
+sys.stdout.flush()
+"""
+
+
+def _dropped(stream: bytes) -> tuple[list[bytes], int]:
+    """The console's lines without its markers, and the bytes the markers account for."""
+    lines, dropped = [], 0
+    for line in stream.splitlines(keepends=True):
+        marker = MARKER.fullmatch(line.rstrip(b"\n"))
+        if marker:
+            dropped += int(marker[1])
+        else:
+            lines.append(line)
+    return lines, dropped
+
+
+def test_a_stuck_console_neither_stalls_the_daemon_nor_loses_log_bytes(tmp_path: Path) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, sys, time\n"
+        "import watchdogd_client as wd\n"
+        'if os.environ["LOCAL_RANK"] == "0":\n'
+        + textwrap.indent(WRITE_RANK0, "    ")
+        + "    with wd.expires(after=1):\n"
+        + "        time.sleep(600)  # hung collective\n"
+        + 'print("rank 1 done")\n'
+    )
+    logs = tmp_path / "logs"
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        ["watchdogd", "run", "--nproc-per-node", "2", "--max-restarts", "0",
+         "--log-dir", str(logs), "--tee", "3", "--", sys.executable, str(worker)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    with proc:
+        try:
+            log = logs / "default" / "attempt_0" / "0" / "stdout.log"
+            # Nobody reads the console pipe, yet the daemon reads the rank's output to the end.
+            wait_until(lambda: log.exists() and log.stat().st_size >= len(RANK0), timeout=20)
+            console, stderr = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 1, stderr
+    assert time.monotonic() - started < 30
+    assert b"killed by SIGKILL (watchdogd: timer" in stderr
+    assert log.read_bytes() == RANK0
+    assert (log.parent.parent / "1" / "stdout.log").read_bytes() == b"rank 1 done\n"
+    shown, dropped = _dropped(console)
+    assert dropped > 0
+    rank0 = [line for line in shown if line.startswith(b"[default0]:")]
+    assert set(shown) - set(rank0) <= {b"[default1]:rank 1 done\n"}
+    # Whole lines of rank 0, in order, each exactly as written.
+    indices = [int(line[11:18]) for line in rank0]
+    assert indices == sorted(set(indices))
+    assert all(
+        line == b"[default0]:" + RANK0[i * 64 : (i + 1) * 64]
+        for i, line in zip(indices, rank0, strict=True)
+    )
+    everything = len(RANK0) + LINES * len(b"[default0]:") + len(b"[default1]:rank 1 done\n")
+    assert sum(map(len, shown)) + dropped == everything
+
+
+def _read_to_eof(fd: int) -> bytes:
+    os.set_blocking(fd, True)
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _worker(code: str) -> tuple[subprocess.Popen[bytes], int]:
+    """A child process writing to a pipe, and the daemon's end of it, ready for a copier."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    fd = os.dup(proc.stdout.fileno())
+    proc.stdout.close()
+    os.set_blocking(fd, False)
+    return proc, fd
+
+
+@pytest.mark.anyio
+async def test_a_full_console_drops_whole_lines_counts_them_and_marks_the_gap() -> None:
+    r, w = os.pipe()
+    console = ConsoleWriter(w, limit=1 << 16)
+    lines = [b"[r0]:%07d\n" % i for i in range(100_000)]
+    for start in range(0, len(lines), 100):
+        console.write(b"".join(lines[start : start + 100]))  # nobody reads, yet it returns
+    output: list[bytes] = []
+
+    async def read() -> None:
+        output.append(await anyio.to_thread.run_sync(_read_to_eof, r))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        assert await anyio.to_thread.run_sync(console.flush, 20)
+        console.write(b"[r0]:after\n")  # room again
+        assert await anyio.to_thread.run_sync(console.flush, 20)
+        os.close(w)
+    *before, marker, after = output[0].splitlines(keepends=True)
+    assert after == b"[r0]:after\n"
+    dropped = MARKER.fullmatch(marker.rstrip(b"\n"))
+    assert dropped is not None and int(dropped[1]) > 0
+    assert b"".join(before) == b"".join(lines[: len(before)])  # the gap is at the end
+    assert len(b"".join(before)) + int(dropped[1]) == len(b"".join(lines))
+
+
+@pytest.mark.anyio
+async def test_a_stalled_log_file_pauses_the_pipe_then_resumes_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    # A FIFO nobody reads stands in for a log file on a stalled network filesystem.
+    os.mkfifo(tmp_path / "stdout.log")
+    disk = os.open(tmp_path / "stdout.log", os.O_RDONLY | os.O_NONBLOCK)
+    proc, fd = _worker("import sys\n" + WRITE_RANK0)
+    with proc:
+        copier = StreamCopier(fd, StreamRoute("stdout", True, "none"), tmp_path, b"", None)
+        await wait_for(lambda: copier.paused)
+        # Backpressure: the worker's pipe fills up and the worker waits.
+        capacity = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+        await wait_for(lambda: _unread(fd) == capacity)
+        assert proc.poll() is None
+        with anyio.fail_after(30):
+            written = await anyio.to_thread.run_sync(_read_to_eof, disk)
+            await copier.done.wait()
+        assert proc.wait(10) == 0
+    assert written == RANK0
+    assert not copier.paused
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in the pipe (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+@pytest.mark.anyio
+async def test_close_keeps_the_last_unterminated_line_on_the_console_and_in_files(
+    tmp_path: Path,
+) -> None:
+    r, w = os.pipe()
+    console = ConsoleWriter(w)
+    proc, fd = _worker(
+        """
+        import sys, time
+        sys.stdout.write("one\\nkeep two\\nkeep partial")
+        sys.stdout.flush()
+        time.sleep(600)
+        """
+    )
+    with proc:
+        route = StreamRoute("stdout", True, "prefixed", ("keep",))
+        copier = StreamCopier(fd, route, tmp_path, b"[p]:", console)
+        log = tmp_path / "stdout.log"
+        await wait_for(lambda: log.stat().st_size == len(b"one\nkeep two\nkeep partial"))
+        copier.close()  # as the supervisor does when a worker's pipe outlives its drain time
+        with anyio.fail_after(10):
+            await copier.done.wait()
+        proc.kill()
+    assert log.read_bytes() == b"one\nkeep two\nkeep partial"
+    assert (tmp_path / "filtered_stdout.log").read_bytes() == b"keep two\nkeep partial\n"
+    assert await anyio.to_thread.run_sync(console.flush, 10)
+    os.close(w)
+    assert _read_to_eof(r) == b"[p]:one\n[p]:keep two\n[p]:keep partial\n"
