@@ -30,7 +30,7 @@ import anyio
 from watchdogd.core.rdzv_state import Change, RendezvousClosedError, RendezvousError
 from watchdogd.core.workerenv import Placement
 from watchdogd.groups.etcd_rendezvous import EtcdRendezvous, RendezvousResult
-from watchdogd.groups.rendezvous import free_port
+from watchdogd.linux.net import free_port, route_address
 from watchdogd_client.events import NodeState, RdzvEvent, record_rdzv_event
 from watchdogd_client.groups import GroupSpec, GroupState, RendezvousInfo
 
@@ -42,25 +42,13 @@ log = logging.getLogger("watchdogd.rendezvous")
 _UNBOUNDED = 2**62
 
 
-def route_address(endpoint: str) -> str:
-    """This node's address on the route to ``endpoint`` (a UDP connect sends nothing)."""
-    host, _, port = endpoint.rpartition(":")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((host or endpoint, int(port or 2379)))
-            address: str = probe.getsockname()[0]
-            return address
-        except OSError:
-            return "127.0.0.1"
-
-
 class EtcdBackend:
     local_restarts = _UNBOUNDED
 
     def __init__(self, spec: GroupSpec, on_event: Callable[[RdzvEvent], None]) -> None:
         rdzv = spec.rendezvous
         self.spec = spec
-        self.advertise = rdzv.advertise_addr or route_address(rdzv.endpoints[0])
+        self.advertise = rdzv.advertise_addr or route_address(rdzv.endpoints[0], 2379)
         self._on_event = on_event
         self.rendezvous = EtcdRendezvous(
             rdzv.endpoints,

@@ -17,7 +17,6 @@ for it.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from types import TracebackType
 from typing import Protocol, Self
@@ -26,19 +25,13 @@ import anyio
 
 from watchdogd.core.rdzv_state import Change
 from watchdogd.core.workerenv import Placement
+from watchdogd.linux.net import free_port
 from watchdogd_client.events import RdzvEvent
 from watchdogd_client.groups import GroupSpec, GroupState, RendezvousInfo
 
-__all__ = ["Rendezvous", "StaticRendezvous", "free_port", "open_rendezvous"]
+__all__ = ["Rendezvous", "StaticRendezvous", "open_rendezvous"]
 
 _TORCH_DEFAULT_PORT = 29500
-
-
-def free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((addr if addr not in ("localhost", "") else "127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Rendezvous(Protocol):
