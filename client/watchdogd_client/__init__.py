@@ -33,7 +33,8 @@ from ._fifo import FileTimerClient
 from ._local import LocalTimerClient, LocalTimerServer, MultiprocessingRequestQueue
 from ._paths import default_fifo_path, default_runtime_dir, default_socket_path
 from ._socket import SocketTimerClient
-from ._timer import TimerClient, configure, expires, get_client
+from ._timer import configure, expires, get_client
+from ._timer_client import TimerClient
 
 __all__ = [
     "DaemonUnavailableError",

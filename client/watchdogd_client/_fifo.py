@@ -38,7 +38,7 @@ import msgspec
 from . import protocol as p
 from ._errors import DaemonUnavailableError, FifoFullError
 from ._proc import stat_fields
-from ._timer import TimerClient
+from ._timer_client import TimerClient
 
 __all__ = ["FileTimerClient"]
 

@@ -55,7 +55,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ._api import RequestQueue, TimerRequest, TimerServer
 from ._proc import pidfd_exited, stat_fields
-from ._timer import TimerClient
+from ._timer_client import TimerClient
 
 __all__ = ["LocalTimerClient", "LocalTimerServer", "MultiprocessingRequestQueue"]
 

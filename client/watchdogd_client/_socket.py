@@ -20,6 +20,7 @@ import signal as _signal
 import socket
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -28,7 +29,8 @@ import msgspec
 from . import protocol as p
 from ._errors import DaemonUnavailableError, ProtocolError, RequestError
 from ._paths import default_socket_path
-from ._timer import TimerClient
+from ._timer_client import TimerClient
+from .framing import FrameSplitter, FrameTooLargeError, frame
 from .groups import GroupInfo, GroupSpec
 
 __all__ = ["SocketTimerClient"]
@@ -70,7 +72,8 @@ class SocketTimerClient(TimerClient):
         self._sock: socket.socket | None = None
         self._poller = select.poll()
         self._next_seq = 0
-        self._buffer = bytearray()
+        self._splitter = FrameSplitter(p.MAX_FRAME_SIZE)
+        self._frames: deque[bytes] = deque()  # received, not yet decoded
         self._errors: list[RequestError] = []
         self._held: dict[str, tuple[float, int]] = {}
         self.welcome: p.Welcome | None = None
@@ -196,7 +199,7 @@ class SocketTimerClient(TimerClient):
     def _send(self, message: p.Request) -> int:
         """Send one request; its seq. Errors already waiting are collected, not raised."""
         payload = _encoder.encode(message)
-        data = len(payload).to_bytes(p.FRAME_HEADER_SIZE, "big") + payload
+        data = frame(payload)
         sock = self._sock or self._connect()
         try:
             self._sendall(sock, data)
@@ -257,12 +260,13 @@ class SocketTimerClient(TimerClient):
             raise DaemonUnavailableError(self.path, e.strerror or type(e).__name__) from None
         self._sock = sock
         self._poller.register(sock, select.POLLIN)
-        self._buffer.clear()
+        self._splitter = FrameSplitter(p.MAX_FRAME_SIZE)
+        self._frames.clear()
         self._next_seq = 1
         stack_signal = self._free_stack_signal()
         hello = p.Hello(p.PROTOCOL_VERSION, self.name, stack_signal)
         try:
-            sock.sendall(p.frame(_encoder.encode(hello)))
+            sock.sendall(frame(_encoder.encode(hello)))
             fds = self._recv_welcome(sock)
             sock.setblocking(False)
             welcome = self._next_reply(sock)
@@ -282,7 +286,7 @@ class SocketTimerClient(TimerClient):
             os.close(fd)
         for scope_id, (expiration_time, signal) in self._held.items():
             rearm = p.Acquire(scope_id, expiration_time, signal)
-            self._sendall(sock, p.frame(_encoder.encode(rearm)))
+            self._sendall(sock, frame(_encoder.encode(rearm)))
             self._next_seq += 1
         return sock
 
@@ -302,7 +306,7 @@ class SocketTimerClient(TimerClient):
             raise DaemonUnavailableError(self.path, e.strerror or type(e).__name__) from None
         if not data:
             raise DaemonUnavailableError(self.path, "the daemon closed the connection")
-        self._buffer += data
+        self._received(data)
         return list(fds)
 
     def _register_faulthandler(self, signal: int, fd: int) -> None:
@@ -341,26 +345,24 @@ class SocketTimerClient(TimerClient):
         if not chunk:
             self.close()
             raise DaemonUnavailableError(self.path, "the daemon closed the connection")
-        self._buffer += chunk
+        self._received(chunk)
 
     def _pop_frame(self) -> p.Reply | None:
-        buffer = self._buffer
-        if len(buffer) < p.FRAME_HEADER_SIZE:
-            return None
-        size = int.from_bytes(buffer[: p.FRAME_HEADER_SIZE], "big")
-        if size > p.MAX_FRAME_SIZE:
-            self.close()
-            raise ProtocolError(f"daemon at {self.path} sent a {size}-byte frame")
-        end = p.FRAME_HEADER_SIZE + size
-        if len(buffer) < end:
+        if not self._frames:
             return None
         try:
-            reply: p.Reply = _reply_decoder.decode(buffer[p.FRAME_HEADER_SIZE : end])
+            reply: p.Reply = _reply_decoder.decode(self._frames.popleft())
         except msgspec.DecodeError as e:
             self.close()
             raise ProtocolError(f"daemon at {self.path} sent an undecodable reply: {e}") from None
-        del buffer[:end]
         return reply
+
+    def _received(self, data: bytes) -> None:
+        try:
+            self._frames.extend(self._splitter.feed(data))
+        except FrameTooLargeError as e:
+            self.close()
+            raise ProtocolError(f"daemon at {self.path} sent a {e.size}-byte frame") from None
 
 
 def _forget_connections_after_fork() -> None:

@@ -16,7 +16,6 @@ ends. It differs where torch's hurts:
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import os
 import sys
@@ -24,20 +23,11 @@ import time
 from types import TracebackType
 
 from ._errors import NotConfiguredError, RequestError, WatchdogError
+from ._fifo import FileTimerClient
+from ._socket import SocketTimerClient
+from ._timer_client import TimerClient
 
-__all__ = ["TimerClient", "configure", "expires", "get_client"]
-
-
-class TimerClient(abc.ABC):
-    """torch's ``TimerClient``: arm and disarm timers for the calling worker."""
-
-    @abc.abstractmethod
-    def acquire(self, scope_id: str, expiration_time: float) -> None:
-        """Arm the timer ``scope_id`` to expire at ``expiration_time`` (``time.time()``)."""
-
-    @abc.abstractmethod
-    def release(self, scope_id: str) -> None:
-        """Disarm the timer ``scope_id``."""
+__all__ = ["configure", "expires", "get_client"]
 
 
 _configured: TimerClient | None = None
@@ -58,16 +48,11 @@ def get_client() -> TimerClient:
 
 
 def _client_from_environment() -> TimerClient:
-    # Imported here: each transport pulls in its own modules only when used.
     socket_path = os.environ.get("WATCHDOGD_SOCKET")
     if socket_path:
-        from ._socket import SocketTimerClient
-
         return SocketTimerClient(socket_path)
     fifo_path = os.environ.get("TORCHELASTIC_TIMER_FILE")
     if fifo_path:
-        from ._fifo import FileTimerClient
-
         return FileTimerClient(fifo_path)
     raise NotConfiguredError(
         "no timer client: call watchdogd_client.configure(SocketTimerClient()) "

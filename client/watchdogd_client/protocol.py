@@ -32,6 +32,7 @@ from typing import Final, Literal
 import msgspec
 
 from .events import Event
+from .framing import HEADER_SIZE, frame
 from .groups import GroupInfo, GroupSpec
 
 __all__ = [
@@ -75,7 +76,7 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION: Final = 1
-FRAME_HEADER_SIZE: Final = 4
+FRAME_HEADER_SIZE: Final = HEADER_SIZE
 # Large enough for a status or a list of thousands of timers in a reply;
 # requests are tiny, and the daemon enforces its own (smaller) request cap.
 MAX_FRAME_SIZE: Final = 64 * 1024 * 1024
@@ -373,8 +374,3 @@ Reply = (
     | Ok
     | Error
 )
-
-
-def frame(payload: bytes) -> bytes:
-    """Prefix ``payload`` with its 4-byte big-endian length."""
-    return len(payload).to_bytes(FRAME_HEADER_SIZE, "big") + payload

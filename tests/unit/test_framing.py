@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
-from watchdogd.service.framing import OVERSIZED, FrameSplitter, FrameTooLargeError, LineSplitter
+from watchdogd_client.framing import OVERSIZED, FrameSplitter, FrameTooLargeError, LineSplitter
 
 
 def frame(payload: bytes) -> bytes:

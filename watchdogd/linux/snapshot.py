@@ -24,6 +24,8 @@ from typing import Literal
 
 import msgspec
 
+from watchdogd_client.framing import FrameSplitter, frame
+
 __all__ = [
     "SNAPSHOT_NAME",
     "SnapshotHeader",
@@ -55,7 +57,6 @@ class SnapshotHeader(msgspec.Struct):
 _encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(SnapshotHeader)
 _chunk_decoder = msgspec.msgpack.Decoder(list[SnapshotTimer])
-_LENGTH = 4
 
 
 class SnapshotWriter:
@@ -77,7 +78,7 @@ class SnapshotWriter:
             self._frame(_encoder.encode(timers))
 
     def _frame(self, payload: bytes) -> None:
-        data = len(payload).to_bytes(_LENGTH, "big") + payload
+        data = frame(payload)
         while data:
             data = data[os.write(self._fd, data) :]
 
@@ -122,12 +123,10 @@ def read_snapshot(path: Path) -> tuple[SnapshotHeader, list[SnapshotTimer]] | No
     finally:
         os.close(fd)
     try:
-        frames = []
-        offset = 0
-        while offset < len(data):
-            size = int.from_bytes(data[offset : offset + _LENGTH], "big")
-            frames.append(data[offset + _LENGTH : offset + _LENGTH + size])
-            offset += _LENGTH + size
+        splitter = FrameSplitter(len(data))
+        frames = list(splitter.feed(data))
+        if splitter.pending:
+            raise msgspec.DecodeError("the snapshot ends inside a frame")
         header = _header_decoder.decode(frames[0])
         timers = [timer for frame in frames[1:] for timer in _chunk_decoder.decode(frame)]
     except (msgspec.DecodeError, IndexError):

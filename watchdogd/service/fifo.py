@@ -14,10 +14,10 @@ import os
 import msgspec
 
 from watchdogd.core.policy import Requester
-from watchdogd.service.framing import OVERSIZED, LineSplitter
 from watchdogd.service.stats import Stats
 from watchdogd.service.timer_service import TimerOperations
 from watchdogd_client import protocol as p
+from watchdogd_client.framing import OVERSIZED, LineSplitter
 
 __all__ = ["FifoFront"]
 

@@ -35,10 +35,10 @@ from watchdogd.core.ports import GroupControl, GroupError
 from watchdogd.linux.procs import ProcessHandle
 from watchdogd.linux.stacks import StackStore
 from watchdogd.service.eventlog import EventLog
-from watchdogd.service.framing import FrameSplitter, FrameTooLargeError
 from watchdogd.service.stats import Stats
 from watchdogd.service.timer_service import ErrorReply, TimerService
 from watchdogd_client import protocol as p
+from watchdogd_client.framing import FrameSplitter, FrameTooLargeError, frame
 
 __all__ = ["Close", "Follow", "Peer", "SendFd", "Session", "SessionPorts"]
 
@@ -50,7 +50,7 @@ _REQUEST_COUNTER = {kind: f"socket.{kind.__struct_config__.tag}" for kind in p.R
 
 
 def encode(reply: p.Reply) -> bytes:
-    return p.frame(_reply_encoder.encode(reply))
+    return frame(_reply_encoder.encode(reply))
 
 
 class SessionPorts(NamedTuple):

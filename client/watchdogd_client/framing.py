@@ -1,8 +1,11 @@
-"""Cutting byte streams into messages, with caps. Pure: bytes in, messages out.
+"""Framing, the one copy: client, daemon and snapshot file all use it. Pure: bytes only.
 
-Both splitters bound what they hold for an unfinished message, the way h11
-caps an incomplete event: a peer that never finishes a line or a frame costs
-at most the cap, never unbounded memory.
+A frame is a 4-byte big-endian length, then that many bytes (msgpack, on
+the socket and in the snapshot). Both splitters bound what they hold for an
+unfinished message, the way h11 caps an incomplete event: a peer that never
+finishes a line or a frame costs at most the cap, never unbounded memory.
+
+- :func:`frame`: the bytes of one frame.
 
 - :class:`LineSplitter` (the FIFO): lines end at ``\\n``. A line longer than
   ``max_line`` is dropped up to its newline and reported once as oversized;
@@ -17,9 +20,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-__all__ = ["OVERSIZED", "FrameSplitter", "FrameTooLargeError", "LineSplitter"]
+__all__ = [
+    "HEADER_SIZE",
+    "OVERSIZED",
+    "FrameSplitter",
+    "FrameTooLargeError",
+    "LineSplitter",
+    "frame",
+]
 
-HEADER = 4
+HEADER_SIZE = 4
+
+
+def frame(payload: bytes) -> bytes:
+    """Prefix ``payload`` with its 4-byte big-endian length."""
+    return len(payload).to_bytes(HEADER_SIZE, "big") + payload
 
 
 class _Oversized(bytes):
@@ -100,15 +115,15 @@ class FrameSplitter:
             view = data
         offset = 0
         size_total = len(view)
-        while size_total - offset >= HEADER:
-            size = int.from_bytes(view[offset : offset + HEADER], "big")
+        while size_total - offset >= HEADER_SIZE:
+            size = int.from_bytes(view[offset : offset + HEADER_SIZE], "big")
             if size > self.max_frame:
                 buffer.clear()
                 raise FrameTooLargeError(size, self.max_frame)
-            end = offset + HEADER + size
+            end = offset + HEADER_SIZE + size
             if end > size_total:
                 break
-            yield bytes(view[offset + HEADER : end])
+            yield bytes(view[offset + HEADER_SIZE : end])
             offset = end
         if view is buffer:
             del buffer[:offset]
