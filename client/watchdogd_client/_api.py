@@ -33,8 +33,9 @@ wakes at least once a second (``_STOP_CHECK_INTERVAL``), because a
 ``RequestQueue`` cannot be interrupted and ``stop()`` should not take
 ``max_interval`` (60 s for ``LocalTimerServer``); every server calls the
 debug-info hook (torch: only ``FileTimerServer``); a repeating fault pauses
-the loop instead of spinning; ``max_interval`` must be positive and a second
-``start()`` raises.
+the loop instead of spinning; ``max_interval`` must be positive. As in
+torch, a second ``start()`` on a running server and a second ``stop()``
+change nothing.
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ class TimerServer(abc.ABC):
 
     def start(self) -> None:
         if self._watchdog_thread is not None:
-            raise RuntimeError(f"{type(self).__name__} is already running")
+            logger.debug("%s is already running", type(self).__name__)
+            return
         self._stop_signaled.clear()
         self._watchdog_thread = threading.Thread(
             target=self._watchdog_loop, name=f"{type(self).__name__}-watchdog", daemon=self._daemon

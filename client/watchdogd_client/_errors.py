@@ -2,7 +2,7 @@
 
     WatchdogError
     ├── NotConfiguredError (also RuntimeError)  no client given and none in the environment
-    ├── DaemonUnavailableError (also ConnectionError)  the socket or FIFO is not there / went away
+    ├── DaemonUnavailableError (also BrokenPipeError)  the socket or FIFO is not there / went away
     ├── ProtocolError  the daemon speaks another protocol version, or sent garbage
     ├── RequestError  the daemon refused or could not process a request
     └── FifoFullError (also BlockingIOError)  the FIFO stayed full for the whole wait
@@ -31,8 +31,13 @@ class NotConfiguredError(WatchdogError, RuntimeError):
     """``expires`` found no client: nothing configured, nothing in the environment."""
 
 
-class DaemonUnavailableError(WatchdogError, ConnectionError):
-    """The daemon's socket or FIFO cannot be reached at ``path``."""
+class DaemonUnavailableError(WatchdogError, BrokenPipeError):
+    """The daemon's socket or FIFO cannot be reached at ``path``.
+
+    A ``BrokenPipeError`` (so a ``ConnectionError``), as what torch's
+    ``FileTimerClient`` raises when no server reads its FIFO: code written
+    for torch's client catches it unchanged.
+    """
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"watchdogd is not reachable at {path}: {reason}")

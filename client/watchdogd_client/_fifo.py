@@ -42,6 +42,11 @@ from ._timer_client import TimerClient
 
 __all__ = ["FileTimerClient"]
 
+# torch's FileTimerClient tries to open the FIFO this many times, this far
+# apart, before it gives up: a server that is starting gets that long.
+_OPEN_ATTEMPTS = 10
+_OPEN_RETRY_DELAY = 0.1
+
 _encoder = msgspec.json.Encoder()
 _owner_decoder = msgspec.json.Decoder(p.EndpointOwner)
 _live_clients: weakref.WeakSet[FileTimerClient] = weakref.WeakSet()
@@ -91,11 +96,17 @@ class FileTimerClient(TimerClient):
 
     def _open(self) -> int:
         """Open the FIFO; the descriptor is kept only when watchdogd serves it."""
-        try:
-            # O_NONBLOCK: fail now (ENXIO) rather than hang when no daemon reads.
-            fd = os.open(self.file_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            raise DaemonUnavailableError(self.file_path, e.strerror or str(e)) from None
+        for attempt in range(_OPEN_ATTEMPTS):
+            try:
+                # O_NONBLOCK: fail (ENXIO) rather than hang when no server reads.
+                fd = os.open(self.file_path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                break
+            except OSError as e:
+                if attempt == _OPEN_ATTEMPTS - 1:
+                    raise DaemonUnavailableError(
+                        self.file_path, f"{e.strerror or e} (tried for ~1 s)"
+                    ) from None
+                time.sleep(_OPEN_RETRY_DELAY)
         info = os.fstat(fd)
         inode = (info.st_dev, info.st_ino)
         if inode != self._foreign and _served_by_watchdogd(self.file_path, info):

@@ -1,20 +1,28 @@
 """Events: what happened, by whom, when — in torch's JSON shape.
 
-``Event``, ``EventSource``, ``NodeState`` and ``RdzvEvent`` serialize to the
-same JSON objects as ``torch.distributed.elastic.events`` (same keys, same
-order, enums as their names), so tools that read torch's event logs read ours.
+``Event``, ``EventSource``, ``NodeState`` and ``RdzvEvent`` are torch's
+dataclasses, field for field: ``dataclasses.asdict`` works, and ``str(event)``
+and ``event.serialize()`` are ``json.dumps(asdict(event))``, byte for byte
+what torch logs, so parsers written for torch's event logs read ours. On the
+socket they travel as msgspec (which encodes dataclasses natively), and
+``deserialize`` reads torch's form and msgspec's compact one alike.
 
 ``record(event, destination)`` sends an event to a named destination, each a
 :mod:`logging` logger with its own handler: ``null`` (the default; returns
 before serializing anything), ``console`` (stderr), ``dynamic_rendezvous``
-(null until registered, as in torch), or any name registered with
-:func:`register_handler` — :func:`jsonl_file_handler` makes a rotated
-JSON-lines file.
+(a ``NullHandler`` until one is provided, as in torch), or any name
+registered with :func:`register_handler` — :func:`jsonl_file_handler` makes
+a rotated JSON-lines file. As in torch, the handlers live in the module's
+``_log_handlers`` dict, and rendezvous events are built and recorded
+whenever ``get_logging_handler("dynamic_rendezvous")`` is not a
+``NullHandler`` — however the handler got there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
 import logging
 import logging.handlers
 import os
@@ -57,19 +65,20 @@ class NodeState(enum.StrEnum):
     FAILED = "FAILED"
 
 
-class Event(msgspec.Struct, kw_only=False):
+@dataclasses.dataclass
+class Event:
     """Something that happened; ``timestamp`` is in milliseconds since the epoch."""
 
     name: str
     source: EventSource
     timestamp: int = 0
-    metadata: dict[str, EventMetadataValue] = {}
+    metadata: dict[str, EventMetadataValue] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         return self.serialize()
 
     def serialize(self) -> str:
-        return _encoder.encode(self).decode()
+        return json.dumps(dataclasses.asdict(self))
 
     @staticmethod
     def deserialize(data: str | bytes | Event) -> Event:
@@ -78,7 +87,8 @@ class Event(msgspec.Struct, kw_only=False):
         return _event_decoder.decode(data)
 
 
-class RdzvEvent(msgspec.Struct):
+@dataclasses.dataclass
+class RdzvEvent:
     """A rendezvous event, as torch's ``RdzvEvent``."""
 
     name: str
@@ -96,7 +106,7 @@ class RdzvEvent(msgspec.Struct):
         return self.serialize()
 
     def serialize(self) -> str:
-        return _encoder.encode(self).decode()
+        return json.dumps(dataclasses.asdict(self))
 
     @staticmethod
     def deserialize(data: str | bytes | RdzvEvent) -> RdzvEvent:
@@ -105,11 +115,16 @@ class RdzvEvent(msgspec.Struct):
         return _rdzv_decoder.decode(data)
 
 
-_encoder = msgspec.json.Encoder()
 _event_decoder = msgspec.json.Decoder(Event)
 _rdzv_decoder = msgspec.json.Decoder(RdzvEvent)
 
-_handler_factories: dict[str, type[logging.Handler] | logging.Handler] = {}
+# torch's registry (``torch.distributed.elastic.events.handlers``): a handler
+# provided by assigning here is used as one registered with register_handler().
+_log_handlers: dict[str, logging.Handler] = {
+    "console": logging.StreamHandler(),
+    "dynamic_rendezvous": logging.NullHandler(),
+    "null": logging.NullHandler(),
+}
 _loggers: dict[str, logging.Logger] = {}
 _lock = threading.Lock()
 
@@ -117,8 +132,7 @@ _lock = threading.Lock()
 def register_handler(destination: str, handler: logging.Handler) -> None:
     """Make ``destination`` usable with :func:`record`, writing through ``handler``."""
     with _lock:
-        _handler_factories[destination] = handler
-        _loggers.pop(destination, None)
+        _log_handlers[destination] = handler
 
 
 def jsonl_file_handler(
@@ -134,30 +148,26 @@ def jsonl_file_handler(
 
 def get_logging_handler(destination: str = "null") -> logging.Handler:
     """The handler behind ``destination``: ``null``, ``console`` or a registered one."""
-    registered_first = _handler_factories.get(destination)
-    if registered_first is None and destination in ("null", "dynamic_rendezvous"):
-        return logging.NullHandler()
-    if destination == "console":
-        return logging.StreamHandler()
-    registered = registered_first
-    if registered is None:
+    try:
+        return _log_handlers[destination]
+    except KeyError:
         raise ValueError(
             f"unknown event destination {destination!r}: use 'null', 'console' or a name "
             "registered with watchdogd_client.events.register_handler()"
-        )
-    return registered() if isinstance(registered, type) else registered
+        ) from None
 
 
 def _logger_for(destination: str) -> logging.Logger:
+    handler = get_logging_handler(destination)
     logger = _loggers.get(destination)
-    if logger is None:
+    if logger is None or logger.handlers != [handler]:  # new, or its handler was replaced
         with _lock:
             logger = logging.getLogger(f"watchdogd-events-{destination}")
             logger.setLevel(logging.INFO)
             logger.propagate = False
             for old in list(logger.handlers):
                 logger.removeHandler(old)
-            logger.addHandler(get_logging_handler(destination))
+            logger.addHandler(handler)
             _loggers[destination] = logger
     return logger
 
@@ -171,8 +181,8 @@ def record(event: Event | RdzvEvent, destination: str = "null") -> None:
 
 def record_rdzv_event(event: RdzvEvent) -> None:
     """Record a rendezvous event to the ``dynamic_rendezvous`` destination (torch's name)."""
-    if "dynamic_rendezvous" in _handler_factories:
-        _logger_for("dynamic_rendezvous").info(event.serialize())
+    if not isinstance(get_logging_handler("dynamic_rendezvous"), logging.NullHandler):
+        record(event, "dynamic_rendezvous")
 
 
 def construct_and_record_rdzv_event(
@@ -191,7 +201,7 @@ def construct_and_record_rdzv_event(
     ``name`` defaults to the calling function's name, read from its frame
     (torch walks ``inspect.stack()`` for it).
     """
-    if "dynamic_rendezvous" not in _handler_factories:
+    if isinstance(get_logging_handler("dynamic_rendezvous"), logging.NullHandler):
         return
     if not name:
         name = sys._getframe(1).f_code.co_name

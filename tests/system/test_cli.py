@@ -52,7 +52,9 @@ def test_serve_reports_endpoints_and_stops_cleanly_on_sigterm(short_dir: Path) -
         assert str(short_dir / "timer.fifo") in rest
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
-    names = [json.loads(line)["name"] for line in (short_dir / "events.jsonl").read_text().split()]
+    names = [
+        json.loads(line)["name"] for line in (short_dir / "events.jsonl").read_text().splitlines()
+    ]
     assert names == ["daemon_started", "daemon_stopping"]
     assert not (short_dir / "watchdogd.sock").exists()
 

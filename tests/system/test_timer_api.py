@@ -198,13 +198,21 @@ def test_bad_arguments_fail_at_construction() -> None:
         CancellingServer(ListQueue(), max_interval=0)
     with pytest.raises(ValueError):
         wd.LocalTimerServer(queue.Queue(), signal=12345)
+
+
+def test_start_and_stop_twice_change_nothing_as_in_torch() -> None:
     server = CancellingServer(ListQueue(), max_interval=0.05)
     server.start()
     try:
-        with pytest.raises(RuntimeError, match="already running"):
-            server.start()
+        first = server._watchdog_thread
+        server.start()  # torch carries on: no error, no second watchdog thread
+        assert server._watchdog_thread is first
+        watchdogs = [t for t in threading.enumerate() if t.name == "CancellingServer-watchdog"]
+        assert watchdogs == [first]
     finally:
         server.stop()
+    server.stop()
+    assert first is not None and not first.is_alive()
 
 
 # -- LocalTimerServer, one round at a time ----------------------------------
