@@ -1,9 +1,10 @@
 """The daemon's timers on disk: rewritten after changes, read back at start.
 
-The snapshot (:mod:`watchdogd.snapshot` has the format) is written by a
-task of its own after the table changed, at most every
+The snapshot (:mod:`watchdogd.linux.snapshot` has the format) is written
+by a task of its own after the table changed, at most every
 ``snapshot_interval`` and spending at most about a tenth of the loop's
-time on it: the chunks are built between other work, never in one stall.
+time on it: the chunks are taken from the table between other work, and
+every write, the fsync and the rename run in a worker thread.
 At start, timers come back only for processes that are still the very
 ones they were armed for (same pid, same start time); a deadline that
 passed meanwhile fires at once.
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Protocol
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 
 from watchdogd.core.ports import EventSink
@@ -69,11 +69,12 @@ class Persistence:
         while True:
             await self.store.wait_changed()
             started = time.monotonic()
-            writer = SnapshotWriter(self.path, time.time())
+            # Every file operation in a worker thread: a slow or hung disk (a
+            # network filesystem) delays the snapshot, never the loop.
+            writer = await anyio.to_thread.run_sync(SnapshotWriter, self.path, time.time())
             try:
                 for chunk in self.store.snapshot_timers():
-                    writer.write(chunk)
-                    await anyio.lowlevel.checkpoint()  # requests and expiries in between
+                    await anyio.to_thread.run_sync(writer.write, chunk)
                 await anyio.to_thread.run_sync(writer.commit)
             except BaseException:
                 writer.abort()
