@@ -59,7 +59,7 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
             select.select((), (fd,), ())
 
 
-def dropped_notice(count: int) -> str:
+def _dropped_notice(count: int) -> str:
     return f"{count} log records dropped: the log output did not keep up"
 
 
@@ -125,7 +125,7 @@ class LogSink:
         self,
         *targets: logging.Handler,
         capacity: int = CAPACITY,
-        notice: Callable[[int], str] = dropped_notice,
+        notice: Callable[[int], str] = _dropped_notice,
     ) -> None:
         self._front = _Front(capacity)
         self.handler: logging.Handler = self._front
@@ -166,8 +166,8 @@ class DescriptorHandler(logging.Handler):
     :meth:`handle` takes no lock.
     """
 
-    def __init__(self, fd: int, level: int = logging.NOTSET) -> None:
-        super().__init__(level)
+    def __init__(self, fd: int) -> None:
+        super().__init__()
         self.fd = fd
 
     def handle(self, record: logging.LogRecord) -> bool:
@@ -186,7 +186,7 @@ class DescriptorHandler(logging.Handler):
 
 
 @contextmanager
-def stderr_logging(level: int | str, fmt: str) -> Iterator[LogSink]:
+def stderr_logging(level: int | str, fmt: str) -> Iterator[None]:
     """``logging.basicConfig(level=level, format=fmt)``, through a sink, until the block ends."""
     target = DescriptorHandler(sys.stderr.fileno())
     target.setFormatter(logging.Formatter(fmt))
@@ -196,7 +196,7 @@ def stderr_logging(level: int | str, fmt: str) -> Iterator[LogSink]:
     root.addHandler(sink.handler)
     sink.start()
     try:
-        yield sink
+        yield
     finally:
         # Later records find no handler and go to logging.lastResort, directly.
         root.removeHandler(sink.handler)
