@@ -28,6 +28,7 @@ import anyio
 import anyio.abc
 import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 import msgspec
 
 from watchdogd import __version__
@@ -45,6 +46,7 @@ from watchdogd.linux.endpoints import (
     prepare_dir,
 )
 from watchdogd.linux.gpus import XidWatcher
+from watchdogd.linux.logsink import LogSink
 from watchdogd.linux.stacks import StackStore
 from watchdogd.linux.systemd import Notifier, is_fifo, is_listening_unix_socket, listen_fds
 from watchdogd.service.eventlog import EventLog
@@ -57,13 +59,19 @@ from watchdogd.service.socket_front import SocketFront
 from watchdogd.service.stats import Stats
 from watchdogd.service.timer_service import TimerService
 from watchdogd_client import protocol as p
-from watchdogd_client.events import register_handler
+from watchdogd_client.events import Event, EventSource, register_handler
 
 __all__ = ["Daemon"]
 
 log = logging.getLogger("watchdogd")
 
 _EVENT_LOG = "watchdogd-event-log"
+
+
+def _events_dropped(count: int) -> str:
+    """The event log's own line for a gap: an event too, so the file stays JSON lines."""
+    now = time.time_ns() // 1_000_000
+    return Event("events_dropped", EventSource.AGENT, now, {"count": count}).serialize()
 
 
 def _admin_gid(config: Config) -> int | None:
@@ -85,10 +93,13 @@ class Daemon:
         self.fifo_path = config.fifo_path()
         self.started_at = time.monotonic()
         destination = "null"
+        self._event_sink: LogSink | None = None
         if config.event_log:
             handler = logging.FileHandler(config.event_log)
             handler.setFormatter(logging.Formatter("%(message)s"))
-            register_handler(_EVENT_LOG, handler)
+            # Written by the sink's thread: a slow disk holds the loop for no event.
+            self._event_sink = LogSink(handler, notice=_events_dropped)
+            register_handler(_EVENT_LOG, self._event_sink.handler)
             destination = _EVENT_LOG
         self.events = EventLog(
             config.event_ring_size, log_format=config.log_format, destination=destination
@@ -141,7 +152,10 @@ class Daemon:
         ``task_status.started()`` when an endpoint cannot be created or another
         daemon owns it.
         """
-        with contextlib.ExitStack() as cleanup:
+        async with contextlib.AsyncExitStack() as cleanup:
+            if self._event_sink is not None:
+                self._event_sink.start()
+                cleanup.push_async_callback(self._close_event_log, self._event_sink)
             raw_socket, fifo_fd = self._open_endpoints(cleanup)
             # systemd may have passed endpoints at other paths than the config's.
             self.supervisor.endpoints = Endpoints(str(self.socket_path), str(self.fifo_path))
@@ -182,7 +196,16 @@ class Daemon:
                 tg.cancel_scope.cancel()
             self.persistence.write_now()
 
-    def _open_endpoints(self, cleanup: contextlib.ExitStack) -> tuple[socket.socket, int]:
+    async def _close_event_log(self, sink: LogSink) -> None:
+        """Write out the events still queued for the event log, off the loop and bounded."""
+        with anyio.CancelScope(shield=True):
+            written = await anyio.to_thread.run_sync(sink.close)
+        if not written:
+            log.warning(
+                "event log %s: the last events could not be written in time", self.config.event_log
+            )
+
+    def _open_endpoints(self, cleanup: contextlib.AsyncExitStack) -> tuple[socket.socket, int]:
         """Adopt the endpoints systemd passed, or create them; both locked against a twin."""
         limits = self.config.limits
         raw_socket: socket.socket | None = None
@@ -283,7 +306,7 @@ class Daemon:
 
     # -- observability -----------------------------------------------------------
 
-    def _start_http(self, cleanup: contextlib.ExitStack) -> None:
+    def _start_http(self, cleanup: contextlib.AsyncExitStack) -> None:
         listen = self.config.metrics_listen
         if listen is None:
             return
@@ -296,7 +319,7 @@ class Daemon:
         self.http_address = server.address
         self.events.emit("metrics_listening", address=f"{server.address[0]}:{server.address[1]}")
 
-    def _start_gpu_watch(self, cleanup: contextlib.ExitStack) -> None:
+    def _start_gpu_watch(self, cleanup: contextlib.AsyncExitStack) -> None:
         if not self.config.gpu_health:
             return
         token = anyio.lowlevel.current_token()

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -99,6 +100,38 @@ async def test_signal_zero_records_expiry_without_killing(short_dir: Path) -> No
         finally:
             child.kill()
             child.wait()
+
+
+async def test_a_hung_dump_save_holds_up_neither_the_loop_nor_the_kill(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    disk = threading.Event()  # a dumps disk that does not answer until set
+    async with running_daemon(
+        short_dir, stack_dumps="faulthandler", stack_dump_timeout=0.5
+    ) as daemon:
+        save = daemon.stacks.save
+
+        def hung_save(*args: Any) -> p.DumpInfo:
+            disk.wait(10)
+            return save(*args)
+
+        monkeypatch.setattr(daemon.stacks, "save", hung_save)
+        try:
+            child = python(
+                """
+                import sys, time, watchdogd_client as wd
+                with wd.expires(after=0.2, client=wd.SocketTimerClient(sys.argv[1])):
+                    time.sleep(60)
+                """,
+                str(daemon.socket_path),
+            )
+            assert await exit_code(child) == -signal.SIGKILL
+        finally:
+            disk.set()
+        (expired,) = [e for e in daemon.events.since() if e.name == "timer_expired"]
+        assert expired.metadata["dump"] is None
+        assert float(expired.metadata["late_ms"] or 0) >= 500  # it waited for the save, boundedly
+    assert any("left to finish on its own" in r.getMessage() for r in caplog.records)
 
 
 async def test_earlier_timer_wakes_the_sleeping_loop(short_dir: Path) -> None:

@@ -32,6 +32,7 @@ from watchdogd.daemon import Daemon
 from watchdogd.linux import aio as _aio
 from watchdogd.linux.config_file import load_config
 from watchdogd.linux.endpoints import EndpointError
+from watchdogd.linux.logsink import stderr_logging
 
 __all__ = ["main"]
 
@@ -151,22 +152,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     if args.command == "run":
-        logging.basicConfig(level="INFO", format="[watchdogd] %(message)s")
-        return launch.run(args, Config())
+        with stderr_logging("INFO", "[watchdogd] %(message)s"):
+            return launch.run(args, Config())
     try:
         config = build_config(args)
     except ConfigError as e:
         print(f"watchdogd: {e}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    try:
-        return _serve(config, args)
-    except* EndpointError as group:
-        for error in group.exceptions:
-            print(f"watchdogd: {error}", file=sys.stderr)
+    with stderr_logging(config.log_level.upper(), "%(asctime)s %(name)s %(levelname)s %(message)s"):
+        try:
+            return _serve(config, args)
+        except* EndpointError as group:
+            for error in group.exceptions:
+                print(f"watchdogd: {error}", file=sys.stderr)
     return EXIT_ENDPOINT
 
 

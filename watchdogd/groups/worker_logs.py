@@ -50,6 +50,7 @@ import anyio
 
 from watchdogd.core.workerenv import StreamRoute
 from watchdogd.linux import aio as _aio
+from watchdogd.linux.logsink import write_all
 
 __all__ = [
     "CONSOLE_BUFFER",
@@ -144,12 +145,8 @@ class ConsoleWriter:
             end = data.rfind(b"\n", start, start + select.PIPE_BUF) + 1
             if end <= start:  # a line longer than PIPE_BUF: no single write keeps it whole
                 end = data.find(b"\n", start) + 1 or len(data)
-            while start < end:
-                try:
-                    start += os.write(self.fd, view[start:end])
-                except BlockingIOError:
-                    # Someone else made the shared console non-blocking: wait for room.
-                    select.select((), (self.fd,), ())
+            write_all(self.fd, view[start:end])
+            start = end
 
 
 _consoles: dict[str, ConsoleWriter] = {}

@@ -4,9 +4,12 @@
 Each event goes to a ring of the last ``capacity`` events (``watchdogctl
 events`` shows what just happened), to the ``watchdogd`` logger (text or
 one JSON object a line), and to a torch-style event handler by name
-(``record``; ``null`` costs nothing). A follower gets every new event
-through a bounded buffer: a follower that reads too slowly loses events
-(and is told how many) — it never makes the daemon wait or grow.
+(``record``; ``null`` costs nothing). Neither writes from here: the
+commands route the logger, and the daemon its event-log file, through a
+:class:`~watchdogd.linux.logsink.LogSink`, whose thread does the writing.
+A follower gets every new event through a bounded buffer: a follower that
+reads too slowly loses events (and is told how many) — it never makes the
+daemon wait or grow.
 """
 
 from __future__ import annotations

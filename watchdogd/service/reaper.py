@@ -8,10 +8,12 @@ Rules
   ``<= 0`` records without killing.
 - Signals go through the pidfd taken when the process's first timer was
   armed, so they can only reach that very process.
-- With stack dumps on, the hung process's Python stacks are captured first
-  (faulthandler if its client registered it, else py-spy), bounded by
-  ``stack_dump_timeout``. Captures run as their own tasks: a slow one
-  never delays another expiry.
+- With stack dumps on, the hung process's Python stacks are captured and
+  saved first (faulthandler if its client registered it, else py-spy),
+  both together bounded by ``stack_dump_timeout``. Captures run as their
+  own tasks: a slow one never delays another expiry. Dump files are
+  written, and a client's faulthandler file removed when it exits, by
+  worker threads, bounded too: a hung disk never holds the loop.
 - When the requested signal is not SIGKILL and the process is still alive
   ``kill_grace`` seconds later, it gets SIGKILL.
 """
@@ -22,10 +24,12 @@ import logging
 import signal as _signal
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
 from watchdogd.core.config import Config
 from watchdogd.core.ports import EventSink, Metadata, Supervision
@@ -96,7 +100,26 @@ class Reaper:
     def forget(self, handle: ProcessHandle) -> None:
         registered = self.faulthandlers.pop(handle.pid, None)
         if registered is not None:
-            self.stacks.forget_process(handle.pid, registered[0])
+            assert self._task_group is not None  # registered over the socket: after attach
+            self._task_group.start_soon(self._remove_live_file, handle.pid, registered[0])
+
+    async def _remove_live_file(self, pid: int, start_time: int) -> None:
+        # An unlink waits for the filesystem's journal: off the loop, and bounded,
+        # since a thread that hangs holds one of the few worker-thread tokens
+        # until it is given up.
+        timeout = self.settings.stack_dump_timeout
+        remove = partial(self.stacks.forget_process, pid, start_time)
+        with anyio.move_on_after(timeout):
+            try:
+                await anyio.to_thread.run_sync(remove, abandon_on_cancel=True)
+            except OSError as e:
+                log.warning("cannot remove the faulthandler file of pid %d: %s", pid, e.strerror)
+            return
+        log.warning(
+            "removing the faulthandler file of pid %d took over %g s: left to finish on its own",
+            pid,
+            timeout,
+        )
 
     # -- expiry --------------------------------------------------------------------
 
@@ -164,13 +187,24 @@ class Reaper:
             if text is None and config.stack_dumps in ("auto", "py-spy") and not handle.exited():
                 method = "py-spy"
                 text = await capture_pyspy(timer.pid)
-        if text is None or not self._still_same(handle):
-            return None  # it exited meanwhile: what we read may be a newcomer's stacks
-        try:
-            return self.stacks.save(timer.pid, timer.scope_id, method, text)
-        except OSError as e:
-            log.error("cannot save the stack dump of pid %d: %s", timer.pid, e.strerror)
-            return None
+            if text is None or not self._still_same(handle):
+                return None  # it exited meanwhile: what we read may be a newcomer's stacks
+            # Saved before the signal, so that the dump exists once the process is
+            # gone; in a thread, and within the same bound, so that a hung disk
+            # delays the kill by at most stack_dump_timeout and the loop not at all.
+            save = partial(self.stacks.save, timer.pid, timer.scope_id, method, text)
+            try:
+                return await anyio.to_thread.run_sync(save, abandon_on_cancel=True)
+            except OSError as e:
+                log.error("cannot save the stack dump of pid %d: %s", timer.pid, e.strerror)
+                return None
+        if text is not None:
+            log.error(
+                "saving the stack dump of pid %d took over %g s: left to finish on its own",
+                timer.pid,
+                config.stack_dump_timeout,
+            )
+        return None
 
     @staticmethod
     def _still_same(handle: ProcessHandle) -> bool:
