@@ -135,12 +135,19 @@ async def test_a_full_console_drops_whole_lines_counts_them_and_marks_the_gap() 
         console.write(b"[r0]:after\n")  # room again
         assert await anyio.to_thread.run_sync(console.flush, 20)
         os.close(w)
-    *before, marker, after = output[0].splitlines(keepends=True)
+    *shown, after = output[0].splitlines(keepends=True)
     assert after == b"[r0]:after\n"
-    dropped = MARKER.fullmatch(marker.rstrip(b"\n"))
-    assert dropped is not None and int(dropped[1]) > 0
-    assert b"".join(before) == b"".join(lines[: len(before)])  # the gap is at the end
-    assert len(b"".join(before)) + int(dropped[1]) == len(b"".join(lines))
+    # Where the gaps fall depends on when the writer thread ran; that each is
+    # marked where it is, that the kept lines are whole and in order, and
+    # that nothing is unaccounted for does not.
+    markers = [m for m in (MARKER.fullmatch(line.rstrip(b"\n")) for line in shown) if m]
+    kept = [line for line in shown if not MARKER.fullmatch(line.rstrip(b"\n"))]
+    assert markers and all(int(m[1]) > 0 for m in markers)
+    assert not MARKER.fullmatch(shown[0].rstrip(b"\n"))  # a gap is marked after lines were lost
+    order = {line: i for i, line in enumerate(lines)}
+    positions = [order[line] for line in kept]
+    assert positions == sorted(positions)
+    assert len(b"".join(kept)) + sum(int(m[1]) for m in markers) == len(b"".join(lines))
 
 
 @pytest.mark.anyio

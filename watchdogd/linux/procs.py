@@ -20,6 +20,7 @@ from watchdogd_client._proc import pidfd_exited, stat_fields
 
 __all__ = [
     "ProcessHandle",
+    "RunQueueClock",
     "ancestors",
     "open_process",
     "read_stat",
@@ -127,3 +128,30 @@ def ancestors(pid: int) -> list[int]:
         if pid > 0:
             chain.append(pid)
     return chain
+
+
+class RunQueueClock:
+    """How long the calling thread has waited for a CPU (``/proc/thread-self/schedstat``).
+
+    Time spent runnable but not running is the machine's doing, not the
+    thread's: the loop monitor subtracts it from a late tick. Reads 0
+    where the kernel does not keep schedstats.
+    """
+
+    def __init__(self) -> None:
+        try:
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = -1
+
+    def waited(self) -> float:
+        """Seconds this thread has spent on a run queue, waiting to run."""
+        if self._fd < 0:
+            return 0.0
+        fields = os.pread(self._fd, 128, 0).split()
+        return int(fields[1]) / 1e9 if len(fields) > 1 else 0.0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
