@@ -92,3 +92,13 @@ def test_exits_after_success_or_of_unknown_ranks_are_ignored() -> None:
     m.worker_exited(0, 0, now=1)
     assert m.worker_exited(0, 1, now=2) == []
     assert m.state is S.SUCCEEDED
+
+
+def test_an_attempt_that_cannot_start_fails_the_group_without_a_restart() -> None:
+    m = GroupMachine(nproc=2, max_restarts=3, shutdown_timeout=5)
+    m.start()
+    actions = m.error("cannot start '/nonexistent'")
+    assert moves(actions) == [(S.HEALTHY, S.FAILED)]
+    assert actions[-1] == Finished(S.FAILED)
+    assert m.restarts_left == 3
+    assert m.error("again") == []

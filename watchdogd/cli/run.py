@@ -23,6 +23,7 @@ import anyio
 import msgspec
 
 from watchdogd.core.config import Config
+from watchdogd.core.numa import AFFINITY_MODES
 from watchdogd.core.ports import GroupError
 from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd.daemon import Daemon
@@ -78,6 +79,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--duplicate-stderr-filters", default="", help="... and stderr lines")
     _flag(parser, "--log-line-prefix-template", default=None, help="e.g. '[$rank]:'")
     _flag(parser, "--virtual-local-rank", action="store_true", help="one GPU per worker")
+    _flag(parser, "--numa-binding", choices=AFFINITY_MODES, default=None,
+          help="bind local rank i to CPUs near GPU i (torch's rules, no numactl)")  # fmt: skip
     _flag(parser, "--shutdown-timeout", type=float, default=30.0, help="SIGTERM to SIGKILL")
     _flag(parser, "--no-python", action="store_true", help="run SCRIPT as a program")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as python -m")
@@ -205,6 +208,7 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "local_ranks_filter": ranks_filter,
                 "log_line_prefix_template": args.log_line_prefix_template,
                 "virtual_local_rank": args.virtual_local_rank,
+                "numa_binding": args.numa_binding,
                 "shutdown_timeout": args.shutdown_timeout,
                 "duplicate_stdout_filters": _comma_list(args.duplicate_stdout_filters),
                 "duplicate_stderr_filters": _comma_list(args.duplicate_stderr_filters),
@@ -224,7 +228,9 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
         f"after {info.attempt + 1} attempt(s), {runner.machine.restarts_used} restart(s)"
     ]
     failure = info.last_failure
-    if failure is not None:
+    if failure is not None and failure.rank < 0:  # the group itself: no worker to name
+        lines.append(f"  {failure.reason}")
+    elif failure is not None:
         lines.append(
             f"  rank {failure.rank} (local rank {failure.local_rank}, pid {failure.pid}): "
             f"{failure.reason}"

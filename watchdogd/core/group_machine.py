@@ -13,6 +13,10 @@ Rules
   HEALTHY -> UNHEALTHY at once, every worker gets SIGKILL, and there is no
   restart (the node itself is suspect).
 - ``stop`` (operator, shutdown): every worker is stopped, ending in STOPPED.
+- ``error``: an attempt that cannot start (a command that is not there, a
+  NUMA binding that cannot be applied, a rendezvous that failed) ends the
+  group at once, no restart: any state but a final one -> FAILED. Whoever
+  runs the machine kills what had started.
 - ``restart`` (operator, or a node joined the job) stops the workers and
   starts a new attempt without spending a restart; ``fail`` (a peer node
   was lost) does the same as a worker failure, spending one.
@@ -126,6 +130,13 @@ class GroupMachine:
             return []
         after: AfterStop = "restart" if self.restarts_left > 0 else "fail"
         return self._stop_workers(now, after, reason)
+
+    def error(self, reason: str) -> list[Action]:
+        """The group cannot run (its attempt cannot start): FAILED, with no restart."""
+        if self.state in (S.SUCCEEDED, S.FAILED, S.UNHEALTHY):
+            return []
+        self._kill_at = None
+        return [self._move(S.FAILED, reason), Finished(S.FAILED)]  # any -> FAILED
 
     def stop(self, now: float, reason: str = "stop requested") -> list[Action]:
         if self.state is S.HEALTHY:

@@ -23,6 +23,7 @@ __all__ = [
     "apply_env_knobs",
     "attempt_dir",
     "gpu_assignment",
+    "group_devices",
     "log_prefix",
     "stream_routes",
     "worker_env",
@@ -55,20 +56,23 @@ class StreamRoute(msgspec.Struct, frozen=True):
         return bool(self.filters) or self.console == "prefixed"
 
 
+def _assigned(spec: GroupSpec, visible: list[str] | None) -> list[str] | None:
+    if spec.gpus is None:
+        return visible if spec.virtual_local_rank and visible is not None else None
+    if spec.gpus == "all":
+        if visible is None:
+            raise ValueError("gpus = 'all' but no GPU is visible to the daemon")
+        return visible
+    return [str(d) for d in spec.gpus]
+
+
 def gpu_assignment(spec: GroupSpec, visible: list[str] | None) -> dict[int, str | None]:
     """``CUDA_VISIBLE_DEVICES`` per local rank (None: leave it alone).
 
     ``visible`` is what the daemon itself sees (its ``CUDA_VISIBLE_DEVICES``
     or the driver's device list), used for ``gpus = "all"``.
     """
-    if spec.gpus is None:
-        devices = visible if spec.virtual_local_rank and visible is not None else None
-    elif spec.gpus == "all":
-        if visible is None:
-            raise ValueError("gpus = 'all' but no GPU is visible to the daemon")
-        devices = visible
-    else:
-        devices = [str(d) for d in spec.gpus]
+    devices = _assigned(spec, visible)
     if devices is None:
         if spec.virtual_local_rank:
             return {rank: str(rank) for rank in range(spec.nproc)}
@@ -82,6 +86,21 @@ def gpu_assignment(spec: GroupSpec, visible: list[str] | None) -> dict[int, str 
             f"{len(devices)} devices ({','.join(devices)})"
         )
     return {rank: devices[rank] for rank in range(spec.nproc)}
+
+
+def group_devices(
+    spec: GroupSpec, visible: list[str] | None, environ: Mapping[str, str]
+) -> list[str] | None:
+    """The ``CUDA_VISIBLE_DEVICES`` entries local rank *i* takes entry *i* of (None: every GPU).
+
+    The devices the spec assigns, else the ``CUDA_VISIBLE_DEVICES`` the
+    workers inherit (the spec's ``env``, then ``environ``, the daemon's).
+    """
+    devices = _assigned(spec, visible)
+    if devices is not None:
+        return devices
+    inherited = {**environ, **spec.env}.get("CUDA_VISIBLE_DEVICES")
+    return None if inherited is None else [d.strip() for d in inherited.split(",") if d.strip()]
 
 
 def _selector(value: str, nproc: int) -> dict[int, int]:

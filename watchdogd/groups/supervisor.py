@@ -10,6 +10,12 @@ Workers start in their own session, so a signal to a worker reaches its
 whole process group (data loaders, compilers) and nothing is orphaned:
 when a worker exits, whatever it left in its group is killed before the
 worker is reaped, while its pid still names that group.
+
+With ``numa_binding``, each worker starts bound to the CPUs near its GPU
+(:mod:`watchdogd.core.numa` decides, from the ``Hardware`` port, once per
+group, in a thread since NVML and sysfs block): the loop's thread binds
+itself for the ``Popen`` call and unbinds right after
+(:func:`watchdogd.linux.numa.bound_to`), so no ``numactl`` is needed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -33,13 +40,15 @@ import msgspec
 
 from watchdogd.core.dstate import DStateDetector
 from watchdogd.core.group_machine import Action, Finished, GroupMachine, Signal, Spawn, Transition
-from watchdogd.core.ports import EventSink, GroupError
+from watchdogd.core.numa import NumaError, bind, cuda_devices, format_cpulist
+from watchdogd.core.ports import EventSink, GroupError, Hardware
 from watchdogd.core.rdzv_state import Change, RendezvousError
 from watchdogd.core.workerenv import (
     Placement,
     apply_env_knobs,
     attempt_dir,
     gpu_assignment,
+    group_devices,
     log_prefix,
     stream_routes,
     worker_env,
@@ -47,6 +56,7 @@ from watchdogd.core.workerenv import (
 from watchdogd.groups.rendezvous import open_rendezvous
 from watchdogd.groups.worker_logs import StreamCopier, open_target, start_copier
 from watchdogd.linux import aio
+from watchdogd.linux.numa import NodeHardware, bound_to
 from watchdogd.linux.procs import read_stat
 from watchdogd_client.events import RdzvEvent
 from watchdogd_client.groups import Failure, GroupInfo, GroupSpec, GroupState, WorkerInfo
@@ -56,6 +66,8 @@ __all__ = ["Endpoints", "GroupRunner", "Supervisor", "WorkerIndex"]
 log = logging.getLogger("watchdogd.supervisor")
 
 _DRAIN_TIMEOUT = 2.0
+# NVML's init can take a second or more on GPUs without persistence mode.
+_HARDWARE_TIMEOUT = 30.0
 
 
 class Endpoints(NamedTuple):
@@ -148,12 +160,19 @@ class GroupRunner:
     """One worker group: its machine, its processes, its logs."""
 
     def __init__(
-        self, spec: GroupSpec, *, events: EventSink, endpoints: Endpoints, workers: WorkerIndex
+        self,
+        spec: GroupSpec,
+        *,
+        events: EventSink,
+        endpoints: Endpoints,
+        workers: WorkerIndex,
+        hardware: Hardware,
     ) -> None:
         self.spec = spec
         self.events = events
         self.endpoints = endpoints
         self.index = workers
+        self.hardware = hardware
         self.rendezvous = open_rendezvous(spec, self._rdzv_event)
         self.machine = GroupMachine(
             spec.nproc, self.rendezvous.local_restarts, spec.shutdown_timeout
@@ -166,6 +185,8 @@ class GroupRunner:
         self.placement: Placement | None = None
         self.routes = stream_routes(spec)
         self.gpus = self._assign_gpus()
+        self.cpus: dict[int, frozenset[int]] | None = None
+        """Each local rank's CPUs under ``numa_binding``, once decided."""
         self.finished = anyio.Event()
         self._reason = ""
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[tuple[str, int, int]](
@@ -184,6 +205,42 @@ class GroupRunner:
             return gpu_assignment(self.spec, visible_gpus())
         except ValueError as e:
             raise GroupError(f"group {self.spec.name}: {e}") from None
+
+    async def _bind_numa(self) -> None:
+        """Decide each rank's CPUs; GroupError naming the rank and why when that can't be done."""
+        mode = self.spec.numa_binding
+        if mode is None or self.cpus is not None:
+            return
+        environ = {**os.environ, **self.spec.env}
+        visible = group_devices(self.spec, visible_gpus(), environ)
+
+        def decide() -> dict[int, frozenset[int]]:
+            try:
+                gpus = self.hardware.gpus()
+            except NumaError as e:
+                ranks = "local rank 0" + (f"-{self.spec.nproc - 1}" if self.spec.nproc > 1 else "")
+                raise NumaError(f"cannot find the GPUs of {ranks}: {e}") from None
+            devices = cuda_devices(gpus, visible, environ.get("CUDA_DEVICE_ORDER"))
+            topology = self.hardware.topology([gpu.bus_id for gpu in devices])
+            return bind(mode, devices, self.spec.nproc, topology)
+
+        what = f"group {self.spec.name}: numa binding {mode!r}"
+        try:
+            with anyio.fail_after(_HARDWARE_TIMEOUT):
+                self.cpus = await anyio.to_thread.run_sync(decide, abandon_on_cancel=True)
+        except NumaError as e:
+            gpus = "every GPU" if visible is None else f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
+            raise GroupError(f"{what}: {e}; the group's GPUs: {gpus}") from None
+        except TimeoutError:
+            raise GroupError(
+                f"{what}: NVML or sysfs did not answer within {_HARDWARE_TIMEOUT:.0f} s"
+            ) from None
+        self.events.emit(
+            "numa_binding",
+            group=self.spec.name,
+            mode=mode,
+            cpus=" ".join(f"{r}:{format_cpulist(c)}" for r, c in sorted(self.cpus.items())),
+        )
 
     # -- control -----------------------------------------------------------------
 
@@ -234,14 +291,14 @@ class GroupRunner:
         try:
             async with self.rendezvous, anyio.create_task_group() as tg:
                 tg.start_soon(self.rendezvous.watch, self._membership_changed)
+                # Caught here, inside the task group, or it would leave wrapped in a group.
                 try:
                     final = await self._run_attempts()
                 except RendezvousError as e:
-                    self.last_failure = Failure(
-                        local_rank=-1, rank=-1, pid=0, exitcode=1, reason=str(e),
-                        timestamp=time.time(),
-                    )  # fmt: skip
-                    final = GroupState.FAILED
+                    final = await self._cannot_run(str(e), exitcode=1)
+                except GroupError as e:  # an attempt that cannot start: no restart helps
+                    self.events.emit("group_error", group=self.spec.name, reason=str(e))
+                    final = await self._cannot_run(str(e), exitcode=127)
                 await self.rendezvous.finish(final)
                 tg.cancel_scope.cancel()
             return final
@@ -251,6 +308,13 @@ class GroupRunner:
             self._inbox_send.close()
             self._inbox.close()
             self.finished.set()
+
+    async def _cannot_run(self, reason: str, *, exitcode: int) -> GroupState:
+        self.last_failure = Failure(
+            local_rank=-1, rank=-1, pid=0, exitcode=exitcode, reason=reason, timestamp=time.time()
+        )
+        await self._apply(self.machine.error(reason))
+        return GroupState.FAILED
 
     async def _run_attempts(self) -> GroupState:
         final = await self._apply(self.machine.start())
@@ -348,6 +412,7 @@ class GroupRunner:
     # -- processes ---------------------------------------------------------------
 
     async def _start_attempt(self, attempt: int, restart_count: int) -> None:
+        await self._bind_numa()  # before rendezvous: a node that cannot start holds nobody up
         placement, restart_count = await self.rendezvous.next_round(restart_count)
         self.placement = placement
         self.workers = {}
@@ -387,16 +452,18 @@ class GroupRunner:
         out_route, err_route = self.routes[local_rank]
         stdout = open_target(out_route, rank_dir)
         stderr = open_target(err_route, rank_dir)
+        cpus = self.cpus.get(local_rank) if self.cpus is not None else None
         try:
-            popen = subprocess.Popen(
-                self.spec.entrypoint,
-                env=env,
-                cwd=self.spec.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=stderr,
-                start_new_session=True,
-            )
+            with bound_to(cpus) if cpus is not None else nullcontext():
+                popen = subprocess.Popen(
+                    self.spec.entrypoint,
+                    env=env,
+                    cwd=self.spec.cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=stderr,
+                    start_new_session=True,
+                )
         except OSError as e:
             raise GroupError(
                 f"group {self.spec.name}: cannot start {self.spec.entrypoint[0]!r}: {e.strerror}"
@@ -513,9 +580,12 @@ class GroupRunner:
 class Supervisor:
     """The daemon's worker groups, by name: the socket's ``GroupControl`` port."""
 
-    def __init__(self, events: EventSink, endpoints: Endpoints) -> None:
+    def __init__(
+        self, events: EventSink, endpoints: Endpoints, hardware: Hardware | None = None
+    ) -> None:
         self.events = events
         self.endpoints = endpoints
+        self.hardware: Hardware = hardware if hardware is not None else NodeHardware()
         self.workers = WorkerIndex()
         self.groups: dict[str, GroupRunner] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -536,21 +606,18 @@ class Supervisor:
         except ValueError as e:
             raise GroupError(f"group {spec.name}: {e}") from None
         runner = GroupRunner(
-            spec, events=self.events, endpoints=self.endpoints, workers=self.workers
+            spec,
+            events=self.events,
+            endpoints=self.endpoints,
+            workers=self.workers,
+            hardware=self.hardware,
         )
         self.groups[spec.name] = runner
         self._task_group.start_soon(self._run, runner, name=f"group {spec.name}")
         return runner
 
     async def _run(self, runner: GroupRunner) -> None:
-        try:
-            state = await runner.run()
-        except GroupError as e:
-            self.events.emit("group_error", group=runner.spec.name, reason=str(e))
-            runner.last_failure = Failure(
-                local_rank=-1, rank=-1, pid=0, exitcode=127, reason=str(e), timestamp=time.time()
-            )
-            state = GroupState.FAILED
+        state = await runner.run()
         if self.on_finished is not None:
             self.on_finished(runner, state)
 
