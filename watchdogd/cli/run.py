@@ -4,8 +4,13 @@ Replace the word ``torchrun`` in a launch script with ``watchdogd run``: the
 flags keep their names and meanings (dashes or underscores, ``PET_*``
 environment defaults), the workers get torchrun's environment, and the exit
 status follows the group's: 0 when every worker succeeded, 1 with a summary
-of the first failure otherwise, 128+N when stopped by signal N (workers are
-stopped gracefully first, none is left behind).
+of the first failure otherwise, 2 on bad usage.
+
+Signals are torchrun's: each one of ``--signals-to-handle`` (SIGTERM, SIGINT,
+SIGHUP, SIGQUIT unless told otherwise) is passed to every worker, the group
+stops (SIGKILL ``--shutdown-timeout`` later for a worker still alive, none is
+left behind), and the exit status is 1, as torchrun's (its agent re-raises
+the signal as an exception).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = ["add_run_arguments", "run", "spec_from_args"]
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's
 
 
 def _flag(parser: argparse._ActionsContainer, name: str, **kwargs: object) -> None:
@@ -82,6 +88,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--numa-binding", choices=AFFINITY_MODES, default=None,
           help="bind local rank i to CPUs near GPU i (torch's rules, no numactl)")  # fmt: skip
     _flag(parser, "--shutdown-timeout", type=float, default=30.0, help="SIGTERM to SIGKILL")
+    _flag(parser, "--signals-to-handle", default=DEFAULT_SIGNALS,
+          help="passed to the workers, stopping the group (default %(default)s)")  # fmt: skip
     _flag(parser, "--no-python", action="store_true", help="run SCRIPT as a program")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as python -m")
     _flag(parser, "--run-path", action="store_true", help="run SCRIPT as a path (the default)")
@@ -123,6 +131,20 @@ def _entrypoint(args: argparse.Namespace) -> list[str]:
     if args.module:
         return [sys.executable, "-u", "-m", script, *rest]
     return [sys.executable, "-u", script, *rest]
+
+
+def handled_signals(value: str) -> list[signal.Signals]:
+    """``--signals-to-handle``: signal names, as torchrun reads them (``SIGTERM,SIGUSR1``)."""
+    chosen: list[signal.Signals] = []
+    for name in filter(None, (item.strip() for item in value.split(","))):
+        try:
+            signum = signal.Signals[name]
+        except KeyError:
+            raise ValueError(f"--signals-to-handle: {name!r} is not a signal name") from None
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"--signals-to-handle: {name} cannot be handled")
+        chosen.append(signum)
+    return chosen
 
 
 def _comma_list(value: str) -> list[str]:
@@ -183,7 +205,8 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
     """The group torchrun would launch for these flags; ValueError names a bad one."""
     rendezvous = _rendezvous(args)
     nproc = _nproc(args.nproc_per_node)
-    env = {}
+    # torchrun's agent exports this, so a launcher nested in a worker handles the same.
+    env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": args.signals_to_handle}
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so workers don't oversubscribe
     log_dir = args.log_dir
@@ -244,6 +267,7 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
 
 def run(args: argparse.Namespace, config: Config) -> int:
     try:
+        signals = handled_signals(args.signals_to_handle)
         spec = spec_from_args(args)
     except ValueError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
@@ -268,7 +292,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     daemon = Daemon(config)
     outcome: dict[str, GroupState | int] = {}
     try:
-        _aio.run(partial(_run_group, daemon, spec, outcome))
+        _aio.run(partial(_run_group, daemon, spec, signals, outcome))
     finally:
         dumps = daemon.stacks.list() if daemon.stacks.directory.is_dir() else []
         if dumps:
@@ -285,40 +309,52 @@ def run(args: argparse.Namespace, config: Config) -> int:
                 shutil.rmtree(runtime_dir)
     if "error" in outcome:
         return EXIT_USAGE
-    if "signal" in outcome:
-        return 128 + int(outcome["signal"])
     runner = daemon.supervisor.groups[spec.name]
     state = outcome.get("state", runner.state)
     assert isinstance(state, GroupState)
+    if "signal" in outcome:
+        name = signal.Signals(int(outcome["signal"])).name
+        print(f"watchdogd run: {name} received, passed to the workers; group {state.value}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_FAILED
     if state is GroupState.SUCCEEDED:
         return 0
     print(summarize(runner, state), file=sys.stderr)
     return EXIT_FAILED
 
 
-async def _run_group(daemon: Daemon, spec: GroupSpec, outcome: dict[str, GroupState | int]) -> None:
+async def _run_group(
+    daemon: Daemon,
+    spec: GroupSpec,
+    signals: list[signal.Signals],
+    outcome: dict[str, GroupState | int],
+) -> None:
     done = anyio.Event()
 
     def finished(runner: GroupRunner, state: GroupState) -> None:
         outcome["state"] = state
         done.set()
 
-    async def until_done_or_signalled() -> None:
+    async def forward_signals() -> None:
+        """Each signal to the workers; the group stops, and the run ends once it has."""
+        with anyio.open_signal_receiver(*signals) as received:
+            async for signum in received:
+                outcome.setdefault("signal", signum)
+                try:
+                    daemon.supervisor.get(spec.name).signalled(signum)
+                except GroupError:  # not started, or over: nobody to pass it to
+                    done.set()
+
+    async def until_done() -> None:
         async with anyio.create_task_group() as tg:
-
-            async def watch_signals() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        outcome["signal"] = signum
-                        done.set()
-
-            tg.start_soon(watch_signals)
+            if signals:
+                tg.start_soon(forward_signals)
             await done.wait()
             tg.cancel_scope.cancel()
 
     daemon.supervisor.on_finished = finished
     async with anyio.create_task_group() as tg:
-        await tg.start(partial(daemon.serve, shutdown_trigger=until_done_or_signalled))
+        await tg.start(partial(daemon.serve, shutdown_trigger=until_done))
         try:
             daemon.supervisor.submit(spec)
         except GroupError as e:

@@ -250,6 +250,10 @@ class GroupRunner:
     def restart(self) -> None:
         self._control("restart")
 
+    def signalled(self, signum: int) -> None:
+        """The launcher received ``signum``: pass it to the workers and stop the group."""
+        self._control("signal", signum)
+
     def mark_unhealthy(self, reason: str) -> None:
         self._reason = reason
         self._control("unhealthy")
@@ -260,10 +264,10 @@ class GroupRunner:
             devices is None or str(index) in devices.split(",") for devices in self.gpus.values()
         )
 
-    def _control(self, command: str) -> None:
+    def _control(self, command: str, value: int = -1) -> None:
         if self.finished.is_set():
             raise GroupError(f"group {self.spec.name} is not running ({self.state.value})")
-        self._inbox_send.send_nowait((command, -1, -1))
+        self._inbox_send.send_nowait((command, -1, value))
 
     @property
     def state(self) -> GroupState:
@@ -359,6 +363,8 @@ class GroupRunner:
                     return self._on_exit(local_rank, value, now)
                 case "stop":
                     return self.machine.stop(now)
+                case "signal":
+                    return self.machine.signalled(value, now)
                 case "restart":
                     return self.machine.restart(now)
                 case "unhealthy":

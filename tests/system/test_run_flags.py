@@ -1,0 +1,109 @@
+"""``watchdogd run`` as a torchrun drop-in: every torchrun flag, and what each new one does.
+
+Each test runs the installed command as a real process, with real workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from watchdogd.cli.run import add_run_arguments
+
+from ..conftest import wait_until
+
+
+def run(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["watchdogd", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def script(tmp_path: Path, code: str, name: str = "worker.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(code))
+    return str(path)
+
+
+# -- every torchrun flag --------------------------------------------------------------
+
+
+def test_every_torchrun_option_is_accepted() -> None:
+    torch_run = pytest.importorskip("torch.distributed.run")
+    theirs = {
+        option
+        for action in torch_run.get_args_parser()._actions
+        for option in action.option_strings
+    }
+    ours = argparse.ArgumentParser()
+    add_run_arguments(ours)
+    assert theirs - set(ours._option_string_actions) == set()
+    shown = subprocess.run(["watchdogd", "run", "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0
+    assert {option for option in theirs if option not in shown.stdout.split()} <= {"-h"}
+
+
+# -- --signals-to-handle -----------------------------------------------------------------
+
+RECORDER = """
+import os, signal, sys, time
+out = sys.argv[1]
+def got(signum, frame):
+    with open(os.path.join(out, "got-" + os.environ["RANK"]), "w") as f:
+        f.write(signal.Signals(signum).name)
+    sys.exit(0)
+for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1"):
+    signal.signal(getattr(signal, name), got)
+open(os.path.join(out, "ready-" + os.environ["RANK"]), "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("sig", "flags"),
+    [
+        (signal.SIGTERM, []),
+        (signal.SIGINT, []),
+        (signal.SIGHUP, []),
+        (signal.SIGQUIT, []),
+        (signal.SIGUSR1, ["--signals-to-handle", "SIGTERM,SIGUSR1"]),
+    ],
+    ids=lambda value: value.name if isinstance(value, signal.Signals) else "",
+)
+def test_a_handled_signal_reaches_every_worker_and_exits_1_as_torchrun(
+    tmp_path: Path, sig: signal.Signals, flags: list[str]
+) -> None:
+    worker = script(tmp_path, RECORDER)
+    proc = subprocess.Popen(
+        ["watchdogd", "run", "--nproc-per-node", "2", *flags, worker, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    with proc:
+        wait_until(lambda: all((tmp_path / f"ready-{r}").exists() for r in range(2)), timeout=30)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 1, stderr
+    assert [(tmp_path / f"got-{r}").read_text() for r in range(2)] == [sig.name, sig.name]
+    assert f"{sig.name} received, passed to the workers; group STOPPED" in stderr
+
+
+def test_signals_to_handle_must_name_signals() -> None:
+    out = run("--signals-to-handle", "SIGTERM,SIGNOPE", "--no-python", "true")
+    assert out.returncode == 2
+    assert "--signals-to-handle: 'SIGNOPE' is not a signal name" in out.stderr
+    out = run("--signals-to-handle", "SIGKILL", "--no-python", "true")
+    assert out.returncode == 2 and "SIGKILL cannot be handled" in out.stderr
