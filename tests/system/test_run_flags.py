@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -107,3 +108,73 @@ def test_signals_to_handle_must_name_signals() -> None:
     assert "--signals-to-handle: 'SIGNOPE' is not a signal name" in out.stderr
     out = run("--signals-to-handle", "SIGKILL", "--no-python", "true")
     assert out.returncode == 2 and "SIGKILL cannot be handled" in out.stderr
+
+
+# -- TORCHELASTIC_ERROR_FILE without --log-dir ----------------------------------------
+
+ERROR_WRITER = """
+import json, os, sys
+attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
+path = os.environ["TORCHELASTIC_ERROR_FILE"]
+with open(os.path.join(sys.argv[1], f"{attempt}-{rank}"), "w") as f:
+    f.write(path)
+if attempt == "0" and rank == "1":
+    with open(path, "w") as f:
+        json.dump({"message": {"message": "RuntimeError: boom", "extraInfo": {}}}, f)
+    sys.exit(3)
+"""
+
+
+def test_every_worker_gets_an_error_file_per_attempt_without_a_log_dir(tmp_path: Path) -> None:
+    worker = script(tmp_path, ERROR_WRITER)
+    out = run("--nproc-per-node", "2", "--max-restarts", "1", worker, str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    paths = {name: Path((tmp_path / name).read_text()) for name in ("0-0", "0-1", "1-0", "1-1")}
+    run_dir = paths["0-0"].parents[2]
+    assert run_dir.name.startswith("watchdogd-default-")
+    assert {name: str(p.relative_to(run_dir)) for name, p in paths.items()} == {
+        "0-0": "attempt_0/0/error.json",
+        "0-1": "attempt_0/1/error.json",
+        "1-0": "attempt_1/0/error.json",
+        "1-1": "attempt_1/1/error.json",
+    }
+    assert not run_dir.exists()  # the group succeeded in the end: nothing left behind
+
+
+def test_the_error_file_of_a_failure_is_reported_and_kept_without_a_log_dir(
+    tmp_path: Path,
+) -> None:
+    worker = script(tmp_path, ERROR_WRITER)
+    out = run("--nproc-per-node", "2", worker, str(tmp_path))
+    assert out.returncode == 1
+    assert "exited with status 3" in out.stderr
+    assert "error: RuntimeError: boom" in out.stderr
+    error_file = Path((tmp_path / "0-1").read_text())
+    assert f"error file: {error_file}" in out.stderr
+    assert error_file.exists()
+    shutil.rmtree(error_file.parents[2])
+
+
+# -- entrypoint forms -------------------------------------------------------------------
+
+
+def test_no_python_with_module_is_refused_in_torchruns_words() -> None:
+    out = run("--no-python", "-m", "json.tool")
+    assert out.returncode == 2
+    assert (
+        "Don't use both the '--no-python' flag and the '--module' flag at the same time"
+        in out.stderr
+    )
+
+
+# -- TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE ------------------------------------------------
+
+
+def test_the_prefix_template_from_the_environment_unless_the_flag_says_otherwise() -> None:
+    command = ["--nproc-per-node", "2", "--tee", "3", "--no-python", "echo", "hello"]
+    knob = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]: "}
+    out = run(*command, env=knob)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[rank0]: hello", "[rank1]: hello"]
+    out = run("--log-line-prefix-template", "<$local_rank>", *command, env=knob)
+    assert sorted(out.stdout.splitlines()) == ["<0>hello", "<1>hello"]

@@ -126,6 +126,10 @@ def _entrypoint(args: argparse.Namespace) -> list[str]:
         if not rest:
             raise ValueError("nothing to run after --")
         return rest
+    if args.no_python and args.module and not args.run_path:  # torchrun's check, in its words
+        raise ValueError(
+            "Don't use both the '--no-python' flag and the '--module' flag at the same time."
+        )
     if args.no_python:
         return [script, *rest]
     if args.module:

@@ -151,12 +151,16 @@ def apply_env_knobs(spec: GroupSpec, environ: Mapping[str, str]) -> GroupSpec:
 
     ``TORCHELASTIC_ENABLE_FILE_TIMER=0`` keeps ``TORCHELASTIC_TIMER_FILE``
     from the workers; ``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT`` sets
-    the D-state timeout when the spec does not.
+    the D-state timeout and ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` the
+    console prefix (torchrun's only way to set it) when the spec does not.
     """
     knobs = {**environ, **spec.env}
     changes: dict[str, object] = {}
     if knobs.get("TORCHELASTIC_ENABLE_FILE_TIMER", "1").strip() == "0":
         changes["file_timer"] = False
+    prefix = knobs.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+    if prefix is not None and spec.log_line_prefix_template is None:
+        changes["log_line_prefix_template"] = prefix
     d_state = knobs.get("TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT", "").strip()
     if d_state and spec.uninterruptible_state_timeout is None:
         try:
@@ -181,17 +185,18 @@ def attempt_dir(spec: GroupSpec, attempt: int) -> Path | None:
     return Path(spec.log_dir) / spec.name / f"attempt_{attempt}"
 
 
+
 def worker_env(
     spec: GroupSpec,
     placement: Placement,
     local_rank: int,
     restart_count: int,
-    attempt: int,
     *,
     base: Mapping[str, str],
     cuda_visible: str | None,
     socket_path: str,
     fifo_path: str,
+    error_path: Path,
 ) -> dict[str, str]:
     """The full environment of one worker: ``base`` (the daemon's), the spec's, torchrun's."""
     rank = placement.group_rank * spec.nproc + local_rank
@@ -214,6 +219,7 @@ def worker_env(
             "TORCHELASTIC_RESTART_COUNT": str(restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_ERROR_FILE": str(error_path),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "WATCHDOGD_SOCKET": socket_path,
             "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
@@ -223,9 +229,6 @@ def worker_env(
         env["TORCHELASTIC_TIMER_FILE"] = fifo_path
     else:
         env.pop("TORCHELASTIC_TIMER_FILE", None)
-    directory = attempt_dir(spec, attempt)
-    if directory is not None:
-        env["TORCHELASTIC_ERROR_FILE"] = str(directory / str(local_rank) / "error.json")
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     return env

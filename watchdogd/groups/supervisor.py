@@ -24,9 +24,11 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -185,6 +187,13 @@ class GroupRunner:
         self.placement: Placement | None = None
         self.routes = stream_routes(spec)
         self.gpus = self._assign_gpus()
+        # Every worker gets torch's error file, as under torchrun: beside its logs when
+        # there are logs, else in a directory of the group's own, kept only if it failed.
+        self.run_dir = (
+            Path(spec.log_dir) / spec.name
+            if spec.log_dir is not None
+            else Path(tempfile.mkdtemp(prefix=f"watchdogd-{spec.name}-"))
+        )
         self.cpus: dict[int, frozenset[int]] | None = None
         """Each local rank's CPUs under ``numa_binding``, once decided."""
         self.finished = anyio.Event()
@@ -309,9 +318,19 @@ class GroupRunner:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._kill_everything()
+            self._drop_run_dir()
             self._inbox_send.close()
             self._inbox.close()
             self.finished.set()
+
+    def _drop_run_dir(self) -> None:
+        """Remove the group's own directory unless it holds the error file of a failure."""
+        if self.spec.log_dir is not None:
+            return  # the operator's
+        if self.machine.state is GroupState.SUCCEEDED or not any(
+            self.run_dir.glob("attempt_*/*/error.json")
+        ):
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     async def _cannot_run(self, reason: str, *, exitcode: int) -> GroupState:
         self.last_failure = Failure(
@@ -426,22 +445,23 @@ class GroupRunner:
         directory = attempt_dir(self.spec, attempt)
         for local_rank in range(self.spec.nproc):
             rank = placement.group_rank * self.spec.nproc + local_rank
+            rank_dir = directory / str(local_rank) if directory is not None else None
+            error_path = self.run_dir / f"attempt_{attempt}" / str(local_rank) / "error.json"
+            error_path.parent.mkdir(parents=True, exist_ok=True)  # rank_dir, if there are logs
+            error_path.unlink(missing_ok=True)  # an earlier run's, in a log dir used again
             env = worker_env(
                 self.spec,
                 placement,
                 local_rank,
                 restart_count,
-                attempt,
                 base=base,
                 cuda_visible=self.gpus[local_rank],
                 socket_path=self.endpoints.socket_path,
                 fifo_path=self.endpoints.fifo_path,
+                error_path=error_path,
             )
-            rank_dir = directory / str(local_rank) if directory is not None else None
-            if rank_dir is not None:
-                rank_dir.mkdir(parents=True, exist_ok=True)
             worker = self._spawn(local_rank, rank, attempt, env, rank_dir)
-            worker.error_file = env.get("TORCHELASTIC_ERROR_FILE")
+            worker.error_file = str(error_path)
             self.workers[local_rank] = worker
             self.index.add(worker.pid, self.spec.name)
             aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
