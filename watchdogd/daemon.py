@@ -47,7 +47,7 @@ from watchdogd.linux.endpoints import (
 from watchdogd.linux.gpus import XidWatcher
 from watchdogd.linux.stacks import StackStore
 from watchdogd.linux.systemd import Notifier, is_fifo, is_listening_unix_socket, listen_fds
-from watchdogd.service.eventlog import EventLog
+from watchdogd.service.eventlog import EventLog, install_event_handler
 from watchdogd.service.fifo import FifoFront
 from watchdogd.service.gpu_status import GpuStatus
 from watchdogd.service.metrics import HealthServer, LoopMonitor, Metrics, parse_listen
@@ -80,18 +80,22 @@ class Daemon:
     """The timer service and the worker groups. ``await Daemon(config).serve()`` runs them."""
 
     def __init__(self, config: Config, *, loop_tick: float = 0.5) -> None:
+        """ConfigError when the event handler the config names cannot be had."""
         self.config = config
         self.socket_path = config.socket_path()
         self.fifo_path = config.fifo_path()
         self.started_at = time.monotonic()
-        destination = "null"
+        destinations = []
+        if config.event_log_handler != "null":
+            install_event_handler(config.event_log_handler, config.event_handlers)
+            destinations.append(config.event_log_handler)
         if config.event_log:
             handler = logging.FileHandler(config.event_log)
             handler.setFormatter(logging.Formatter("%(message)s"))
             register_handler(_EVENT_LOG, handler)
-            destination = _EVENT_LOG
+            destinations.append(_EVENT_LOG)
         self.events = EventLog(
-            config.event_ring_size, log_format=config.log_format, destination=destination
+            config.event_ring_size, log_format=config.log_format, destinations=tuple(destinations)
         )
         self.stats = Stats()
         self.loop_monitor = LoopMonitor(loop_tick)

@@ -6,6 +6,7 @@ Each test runs the installed command as a real process, with real workers.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -36,6 +37,17 @@ def script(tmp_path: Path, code: str, name: str = "worker.py") -> str:
     path = tmp_path / name
     path.write_text(textwrap.dedent(code))
     return str(path)
+
+
+def plugin(tmp_path: Path, source: str, entry_points: str) -> dict[str, str]:
+    """An installed distribution (a dist-info on ``PYTHONPATH``) with ``entry_points``."""
+    site = tmp_path / "site"
+    info = site / "wd_test_plugin-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: wd-test-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+    (site / "wd_test_plugin.py").write_text(textwrap.dedent(source))
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
 
 
 # -- every torchrun flag --------------------------------------------------------------
@@ -178,3 +190,45 @@ def test_the_prefix_template_from_the_environment_unless_the_flag_says_otherwise
     assert sorted(out.stdout.splitlines()) == ["[rank0]: hello", "[rank1]: hello"]
     out = run("--log-line-prefix-template", "<$local_rank>", *command, env=knob)
     assert sorted(out.stdout.splitlines()) == ["<0>hello", "<1>hello"]
+
+
+# -- --event-log-handler ------------------------------------------------------------------
+
+EVENTS_TO_FILE = """
+import logging, os
+
+def to_file():
+    handler = logging.FileHandler(os.environ["WD_TEST_EVENTS"])
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    return handler
+"""
+
+
+def test_an_event_handler_from_an_entry_point_receives_the_launchs_events(
+    tmp_path: Path,
+) -> None:
+    env = plugin(
+        tmp_path, EVENTS_TO_FILE, "[watchdogd.event_handlers]\nto_file = wd_test_plugin:to_file\n"
+    )
+    events = tmp_path / "events.jsonl"
+    env["WD_TEST_EVENTS"] = str(events)
+    out = run("--event-log-handler", "to_file", "--nproc-per-node", "2", "--no-python", "true",
+              env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    recorded = [json.loads(line) for line in events.read_text().splitlines()]
+    names = [event["name"] for event in recorded]
+    assert names.count("worker_started") == names.count("worker_exited") == 2
+    states = [e["metadata"]["state"] for e in recorded if e["name"] == "group_state"]
+    assert states == ["HEALTHY", "SUCCEEDED"]
+    assert {e["metadata"]["group"] for e in recorded if "group" in e["metadata"]} == {"default"}
+
+
+def test_torchs_event_handler_names_and_an_unknown_one(tmp_path: Path) -> None:
+    out = run("--event-log-handler", "console", "--no-python", "true")
+    assert out.returncode == 0, out.stderr
+    assert '{"name": "group_state", "source": "AGENT"' in out.stderr  # torch's JSON, on stderr
+    out = run("--event_log_handler", "dynamic_rendezvous", "--no-python", "true")
+    assert out.returncode == 0, out.stderr
+    out = run("--event-log-handler", "nope", "--no-python", "true")
+    assert out.returncode == 2
+    assert "event_log_handler 'nope'" in out.stderr and "watchdogd.event_handlers" in out.stderr

@@ -27,7 +27,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from watchdogd.core.config import Config
+from watchdogd.core.config import Config, ConfigError
 from watchdogd.core.numa import AFFINITY_MODES
 from watchdogd.core.ports import GroupError
 from watchdogd.core.workerenv import apply_env_knobs
@@ -96,6 +96,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--monitor-interval", type=float, default=0.1,
           help="accepted for compatibility: exits are seen at once")  # fmt: skip
     _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
+    _flag(parser, "--event-log-handler", default="null", metavar="NAME",
+          help="record events to this handler: null, console, dynamic_rendezvous, or an "
+          "entry point in group watchdogd.event_handlers")  # fmt: skip
     parser.add_argument("--event-log", metavar="FILE", help="append events as JSON lines to FILE")
     parser.add_argument(
         "training_script", nargs="?", metavar="SCRIPT", help="script, module, or -- CMD ARGS"
@@ -281,6 +284,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
         config = msgspec.structs.replace(config, fifo=timer_file)  # serve torch's path
     if args.event_log:
         config = msgspec.structs.replace(config, event_log=args.event_log)
+    if args.event_log_handler != "null":
+        config = msgspec.structs.replace(config, event_log_handler=args.event_log_handler)
     health_port = os.environ.get("TORCHELASTIC_HEALTH_CHECK_PORT")
     if health_port and config.metrics_listen is None:
         config = msgspec.structs.replace(config, metrics_listen=health_port)
@@ -293,7 +298,13 @@ def run(args: argparse.Namespace, config: Config) -> int:
         # Stack dumps of hung workers outlive the run: next to the logs, or in /tmp.
         state_dir = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
         config = msgspec.structs.replace(config, state_dir=str(state_dir) if state_dir else None)
-    daemon = Daemon(config)
+    try:
+        daemon = Daemon(config)
+    except ConfigError as e:
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir)
+        print(f"watchdogd run: {e}", file=sys.stderr)
+        return EXIT_USAGE
     outcome: dict[str, GroupState | int] = {}
     try:
         _aio.run(partial(_run_group, daemon, spec, signals, outcome))

@@ -185,7 +185,6 @@ def attempt_dir(spec: GroupSpec, attempt: int) -> Path | None:
     return Path(spec.log_dir) / spec.name / f"attempt_{attempt}"
 
 
-
 def worker_env(
     spec: GroupSpec,
     placement: Placement,
