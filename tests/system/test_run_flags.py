@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -65,7 +66,20 @@ def test_every_torchrun_option_is_accepted() -> None:
     assert theirs - set(ours._option_string_actions) == set()
     shown = subprocess.run(["watchdogd", "run", "--help"], capture_output=True, text=True)
     assert shown.returncode == 0
-    assert {option for option in theirs if option not in shown.stdout.split()} <= {"-h"}
+    assert theirs - set(re.findall(r"(?<![\w-])--?[\w-]+", shown.stdout)) == set()
+
+
+# -- --numa-binding (the binding itself: tests/unit/test_numa.py, test_numa_binding.py) --
+
+
+def test_numa_binding_that_cannot_be_applied_fails_the_launch_naming_the_rank() -> None:
+    # No GPU is visible, whether or not this machine has one (and NVML).
+    out = run("--numa-binding", "node", "--no-python", "true", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 1
+    assert "group default: numa binding 'node'" in out.stderr
+    assert "local rank 0" in out.stderr
+    out = run("--numa-binding", "rack", "--no-python", "true")
+    assert out.returncode == 2 and "invalid choice: 'rack'" in out.stderr
 
 
 # -- --signals-to-handle -----------------------------------------------------------------
@@ -232,3 +246,30 @@ def test_torchs_event_handler_names_and_an_unknown_one(tmp_path: Path) -> None:
     out = run("--event-log-handler", "nope", "--no-python", "true")
     assert out.returncode == 2
     assert "event_log_handler 'nope'" in out.stderr and "watchdogd.event_handlers" in out.stderr
+
+
+# -- --logs-specs -----------------------------------------------------------------------
+
+
+def test_logs_specs_default_and_a_missing_one(tmp_path: Path) -> None:
+    out = run("--logs-specs", "default", "--log-dir", str(tmp_path), "-r", "1",
+              "--no-python", "echo", "hello")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "default/attempt_0/0/stdout.log").read_text() == "hello\n"
+    out = run("--logs_specs", "DOESNOT_EXIST", "--no-python", "true")
+    assert out.returncode == 2
+    assert "Could not find entrypoint under 'torchrun.logs_specs[DOESNOT_EXIST]' key" in out.stderr
+
+
+def test_a_logs_specs_of_its_own_is_found_as_torchrun_finds_it_then_refused(
+    tmp_path: Path,
+) -> None:
+    env = plugin(
+        tmp_path,
+        "class MyLogsSpecs:\n    pass\n",
+        "[torchrun.logs_specs]\nmine = wd_test_plugin:MyLogsSpecs\n",
+    )
+    out = run("--logs-specs", "mine", "--no-python", "true", env=env)
+    assert out.returncode == 2
+    assert "torchrun.logs_specs[mine] is MyLogsSpecs" in out.stderr
+    assert "supports only 'default'" in out.stderr

@@ -34,6 +34,7 @@ from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd.daemon import Daemon
 from watchdogd.groups.supervisor import GroupRunner, visible_gpus
 from watchdogd.linux import aio as _aio
+from watchdogd.linux.plugins import PluginError, load_entry_point
 from watchdogd_client.groups import GroupSpec, GroupState
 
 __all__ = ["add_run_arguments", "run", "spec_from_args"]
@@ -41,6 +42,7 @@ __all__ = ["add_run_arguments", "run", "spec_from_args"]
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's
+LOGS_SPECS_GROUP = "torchrun.logs_specs"  # torchrun's entry point group
 
 
 def _flag(parser: argparse._ActionsContainer, name: str, **kwargs: object) -> None:
@@ -96,6 +98,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--monitor-interval", type=float, default=0.1,
           help="accepted for compatibility: exits are seen at once")  # fmt: skip
     _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
+    _flag(parser, "--logs-specs", default=None, metavar="NAME",
+          help="torch's 'default' (watchdogd's own layout); others are looked up in "
+          "entry point group torchrun.logs_specs")  # fmt: skip
     _flag(parser, "--event-log-handler", default="null", metavar="NAME",
           help="record events to this handler: null, console, dynamic_rendezvous, or an "
           "entry point in group watchdogd.event_handlers")  # fmt: skip
@@ -152,6 +157,31 @@ def handled_signals(value: str) -> list[signal.Signals]:
             raise ValueError(f"--signals-to-handle: {name} cannot be handled")
         chosen.append(signum)
     return chosen
+
+
+def check_logs_specs(name: str | None) -> None:
+    """``--logs-specs``: torch's ``default`` is watchdogd's own layout of the log files.
+
+    Another name is looked up as torchrun does, among the ``torchrun.logs_specs``
+    entry points; it is refused when missing (in torchrun's words) and when found,
+    since watchdogd writes each worker's files itself and never calls a ``LogsSpecs``.
+    """
+    if name is None or name == "default":
+        return
+    try:
+        found = load_entry_point(LOGS_SPECS_GROUP, name)
+    except PluginError as e:
+        raise ValueError(f"--logs-specs {name}: {e}") from None
+    if found is None:
+        raise ValueError(
+            f"--logs-specs: Could not find entrypoint under '{LOGS_SPECS_GROUP}[{name}]' key"
+        )
+    what = getattr(found, "__qualname__", repr(found))
+    raise ValueError(
+        f"--logs-specs {name}: {LOGS_SPECS_GROUP}[{name}] is {what}, a LogsSpecs of its own: "
+        "watchdogd run lays out logs itself (LOG_DIR/ROLE/attempt_N/LOCAL_RANK/) "
+        "and supports only 'default'"
+    )
 
 
 def _comma_list(value: str) -> list[str]:
@@ -275,6 +305,7 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
 def run(args: argparse.Namespace, config: Config) -> int:
     try:
         signals = handled_signals(args.signals_to_handle)
+        check_logs_specs(args.logs_specs)
         spec = spec_from_args(args)
     except ValueError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
