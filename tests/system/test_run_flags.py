@@ -273,3 +273,36 @@ def test_a_logs_specs_of_its_own_is_found_as_torchrun_finds_it_then_refused(
     assert out.returncode == 2
     assert "torchrun.logs_specs[mine] is MyLogsSpecs" in out.stderr
     assert "supports only 'default'" in out.stderr
+
+
+# -- --shutdown-timeout and TORCH_ELASTIC_SHUTDOWN_TIMEOUT --------------------------------
+
+STUBBORN = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it
+open(os.path.join(sys.argv[1], "ready"), "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("flags", "env"),
+    [([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0.5"}), (["--shutdown-timeout", "0.5"], {})],
+    ids=["environment", "flag"],
+)
+def test_the_sigkill_grace_from_the_flag_or_torchs_variable(
+    tmp_path: Path, flags: list[str], env: dict[str, str]
+) -> None:
+    worker = script(tmp_path, STUBBORN)
+    proc = subprocess.Popen(
+        ["watchdogd", "run", *flags, worker, str(tmp_path)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+    with proc:
+        wait_until(lambda: (tmp_path / "ready").exists(), timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=10)  # 30 s of grace would time out here
+    assert proc.returncode == 1, stderr
+    assert "SIGTERM received, passed to the workers; group STOPPED" in stderr

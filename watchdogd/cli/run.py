@@ -89,7 +89,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--virtual-local-rank", action="store_true", help="one GPU per worker")
     _flag(parser, "--numa-binding", choices=AFFINITY_MODES, default=None,
           help="bind local rank i to CPUs near GPU i (torch's rules, no numactl)")  # fmt: skip
-    _flag(parser, "--shutdown-timeout", type=float, default=30.0, help="SIGTERM to SIGKILL")
+    _flag(parser, "--shutdown-timeout", type=float, default=None,
+          help="SIGTERM to SIGKILL (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)")  # fmt: skip
     _flag(parser, "--signals-to-handle", default=DEFAULT_SIGNALS,
           help="passed to the workers, stopping the group (default %(default)s)")  # fmt: skip
     _flag(parser, "--no-python", action="store_true", help="run SCRIPT as a program")
@@ -238,6 +239,17 @@ def _rendezvous(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def _shutdown_timeout(flag: float | None) -> float:
+    """The flag, else torch's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else torch's 30 s."""
+    if flag is not None:
+        return flag
+    value = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={value!r} is not a number") from None
+
+
 def spec_from_args(args: argparse.Namespace) -> GroupSpec:
     """The group torchrun would launch for these flags; ValueError names a bad one."""
     rendezvous = _rendezvous(args)
@@ -269,7 +281,7 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "log_line_prefix_template": args.log_line_prefix_template,
                 "virtual_local_rank": args.virtual_local_rank,
                 "numa_binding": args.numa_binding,
-                "shutdown_timeout": args.shutdown_timeout,
+                "shutdown_timeout": _shutdown_timeout(args.shutdown_timeout),
                 "duplicate_stdout_filters": _comma_list(args.duplicate_stdout_filters),
                 "duplicate_stderr_filters": _comma_list(args.duplicate_stderr_filters),
                 "rendezvous": rendezvous,
