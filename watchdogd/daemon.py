@@ -49,7 +49,7 @@ from watchdogd.linux.gpus import XidWatcher
 from watchdogd.linux.logsink import LogSink
 from watchdogd.linux.stacks import StackStore
 from watchdogd.linux.systemd import Notifier, is_fifo, is_listening_unix_socket, listen_fds
-from watchdogd.service.eventlog import EventLog
+from watchdogd.service.eventlog import EventLog, install_event_handler
 from watchdogd.service.fifo import FifoFront
 from watchdogd.service.gpu_status import GpuStatus
 from watchdogd.service.metrics import HealthServer, LoopMonitor, Metrics, parse_listen
@@ -59,7 +59,7 @@ from watchdogd.service.socket_front import SocketFront
 from watchdogd.service.stats import Stats
 from watchdogd.service.timer_service import TimerService
 from watchdogd_client import protocol as p
-from watchdogd_client.events import Event, EventSource, register_handler
+from watchdogd_client.events import Event, EventSource, get_logging_handler, register_handler
 
 __all__ = ["Daemon"]
 
@@ -88,21 +88,31 @@ class Daemon:
     """The timer service and the worker groups. ``await Daemon(config).serve()`` runs them."""
 
     def __init__(self, config: Config, *, loop_tick: float = 0.5) -> None:
+        """ConfigError when the event handler the config names cannot be had."""
         self.config = config
         self.socket_path = config.socket_path()
         self.fifo_path = config.fifo_path()
         self.started_at = time.monotonic()
-        destination = "null"
-        self._event_sink: LogSink | None = None
+        destinations = []
+        if config.event_log_handler != "null":
+            install_event_handler(config.event_log_handler, config.event_handlers)
+            destinations.append(config.event_log_handler)
         if config.event_log:
-            handler = logging.FileHandler(config.event_log)
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            # Written by the sink's thread: a slow disk holds the loop for no event.
-            self._event_sink = LogSink(handler, notice=_events_dropped)
-            register_handler(_EVENT_LOG, self._event_sink.handler)
-            destination = _EVENT_LOG
+            event_file = logging.FileHandler(config.event_log)
+            event_file.setFormatter(logging.Formatter("%(message)s"))
+            register_handler(_EVENT_LOG, event_file)
+            destinations.append(_EVENT_LOG)
+        # Every destination is written by a sink's thread: a slow disk or
+        # console, or a handler of the user's, holds the loop for no event.
+        self._event_sinks: dict[str, tuple[LogSink, logging.Handler]] = {}
+        for name in destinations:
+            handler = get_logging_handler(name)
+            if not isinstance(handler, logging.NullHandler):
+                sink = LogSink(handler, notice=_events_dropped)
+                self._event_sinks[name] = sink, handler
+                register_handler(name, sink.handler)
         self.events = EventLog(
-            config.event_ring_size, log_format=config.log_format, destination=destination
+            config.event_ring_size, log_format=config.log_format, destinations=tuple(destinations)
         )
         self.stats = Stats()
         self.loop_monitor = LoopMonitor(loop_tick)
@@ -153,9 +163,9 @@ class Daemon:
         daemon owns it.
         """
         async with contextlib.AsyncExitStack() as cleanup:
-            if self._event_sink is not None:
-                self._event_sink.start()
-                cleanup.push_async_callback(self._close_event_log, self._event_sink)
+            for name, (sink, handler) in self._event_sinks.items():
+                sink.start()
+                cleanup.push_async_callback(self._close_event_log, name, sink, handler)
             raw_socket, fifo_fd = self._open_endpoints(cleanup)
             # systemd may have passed endpoints at other paths than the config's.
             self.supervisor.endpoints = Endpoints(str(self.socket_path), str(self.fifo_path))
@@ -196,14 +206,18 @@ class Daemon:
                 tg.cancel_scope.cancel()
             self.persistence.write_now()
 
-    async def _close_event_log(self, sink: LogSink) -> None:
-        """Write out the events still queued for the event log, off the loop and bounded."""
+    @staticmethod
+    async def _close_event_log(name: str, sink: LogSink, handler: logging.Handler) -> None:
+        """Write out the events still queued for ``name``, off the loop and bounded.
+
+        The destination gets its own handler back: a later daemon in this
+        process (the tests run many) writes through a sink of its own.
+        """
         with anyio.CancelScope(shield=True):
             written = await anyio.to_thread.run_sync(sink.close)
+        register_handler(name, handler)
         if not written:
-            log.warning(
-                "event log %s: the last events could not be written in time", self.config.event_log
-            )
+            log.warning("event destination %s: the last events could not be written in time", name)
 
     def _open_endpoints(self, cleanup: contextlib.AsyncExitStack) -> tuple[socket.socket, int]:
         """Adopt the endpoints systemd passed, or create them; both locked against a twin."""

@@ -113,6 +113,8 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """None: leave CUDA_VISIBLE_DEVICES alone; "all": the devices this daemon sees."""
     virtual_local_rank: bool = False
     """One device per worker, as device 0, with LOCAL_RANK=0."""
+    numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = None
+    """Bind local rank *i* to CPUs near its GPU (torchrun's ``--numa-binding``); None: don't."""
     log_dir: str | None = None
     redirects: StreamSelector = "0"
     tee: StreamSelector = "0"

@@ -242,7 +242,7 @@ def test_sigterm_stops_workers_gracefully_leaving_no_orphans(tmp_path: Path) -> 
         time.sleep(0.2)
         pids = [int(p) for r in range(2) for p in (tmp_path / str(r)).read_text().split()]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 128 + signal.SIGTERM
+        assert proc.wait(30) == 1  # torchrun's status after a signal it handles
         assert "worker_failed" not in proc.stderr.read() if proc.stderr else True
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()

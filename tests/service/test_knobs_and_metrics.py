@@ -109,7 +109,7 @@ def test_health_check_port_answers_with_last_progress(tmp_path: Path) -> None:
             assert health["status"] in ("ok", "stalled") and status in (200, 503)
             assert abs(health["last_progress_time"] - time.time()) < 5
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(30) == 128 + signal.SIGTERM
+            assert proc.wait(30) == 1  # torchrun's status after a signal it handles
         finally:
             proc.kill()
 

@@ -92,3 +92,38 @@ def test_exits_after_success_or_of_unknown_ranks_are_ignored() -> None:
     m.worker_exited(0, 0, now=1)
     assert m.worker_exited(0, 1, now=2) == []
     assert m.state is S.SUCCEEDED
+
+
+def test_an_attempt_that_cannot_start_fails_the_group_without_a_restart() -> None:
+    m = GroupMachine(nproc=2, max_restarts=3, shutdown_timeout=5)
+    m.start()
+    actions = m.error("cannot start '/nonexistent'")
+    assert moves(actions) == [(S.HEALTHY, S.FAILED)]
+    assert actions[-1] == Finished(S.FAILED)
+    assert m.restarts_left == 3
+    assert m.error("again") == []
+
+
+def test_a_signal_the_launcher_received_reaches_the_workers_and_stops_the_group() -> None:
+    m = GroupMachine(nproc=2, max_restarts=3, shutdown_timeout=5)
+    m.start()
+    actions = m.signalled(signal.SIGHUP, now=1)
+    assert moves(actions) == [(S.HEALTHY, S.STOPPING)]
+    assert Signal((0, 1), signal.SIGHUP) in actions
+    assert m.next_wake() == 6  # SIGKILL after shutdown_timeout, as for SIGTERM
+    assert m.worker_exited(0, -signal.SIGHUP, now=2) == []
+    assert m.signalled(signal.SIGINT, now=3) == [Signal((1,), signal.SIGINT)]  # passed on
+    actions = m.worker_exited(1, 0, now=4)
+    assert moves(actions) == [(S.STOPPING, S.STOPPED)]
+    assert actions[-1] == Finished(S.STOPPED)
+
+
+def test_a_signal_while_stopping_for_a_restart_cancels_the_restart() -> None:
+    m = GroupMachine(nproc=2, max_restarts=3, shutdown_timeout=5)
+    m.start()
+    m.worker_exited(0, 1, now=1)  # a failure: stopping to restart
+    assert m.signalled(signal.SIGTERM, now=2) == [Signal((1,), signal.SIGTERM)]
+    actions = m.worker_exited(1, -signal.SIGTERM, now=3)
+    assert moves(actions) == [(S.STOPPING, S.STOPPED)]
+    assert actions[-1] == Finished(S.STOPPED)
+    assert m.restarts_used == 0

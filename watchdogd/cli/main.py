@@ -116,7 +116,11 @@ def _raise_open_file_limit() -> None:
 
 def _serve(config: Config, args: argparse.Namespace) -> int:
     _raise_open_file_limit()
-    daemon = Daemon(config)
+    try:
+        daemon = Daemon(config)
+    except ConfigError as e:  # an event handler the config names cannot be had
+        print(f"watchdogd: {e}", file=sys.stderr)
+        return EXIT_USAGE
 
     async def run() -> None:
         async with anyio.create_task_group() as tg:

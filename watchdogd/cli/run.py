@@ -4,8 +4,13 @@ Replace the word ``torchrun`` in a launch script with ``watchdogd run``: the
 flags keep their names and meanings (dashes or underscores, ``PET_*``
 environment defaults), the workers get torchrun's environment, and the exit
 status follows the group's: 0 when every worker succeeded, 1 with a summary
-of the first failure otherwise, 128+N when stopped by signal N (workers are
-stopped gracefully first, none is left behind).
+of the first failure otherwise, 2 on bad usage.
+
+Signals are torchrun's: each one of ``--signals-to-handle`` (SIGTERM, SIGINT,
+SIGHUP, SIGQUIT unless told otherwise) is passed to every worker, the group
+stops (SIGKILL ``--shutdown-timeout`` later for a worker still alive, none is
+left behind), and the exit status is 1, as torchrun's (its agent re-raises
+the signal as an exception).
 """
 
 from __future__ import annotations
@@ -22,18 +27,22 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from watchdogd.core.config import Config
+from watchdogd.core.config import Config, ConfigError
+from watchdogd.core.numa import AFFINITY_MODES
 from watchdogd.core.ports import GroupError
 from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd.daemon import Daemon
 from watchdogd.groups.supervisor import GroupRunner, visible_gpus
 from watchdogd.linux import aio as _aio
+from watchdogd.linux.plugins import PluginError, load_entry_point
 from watchdogd_client.groups import GroupSpec, GroupState
 
 __all__ = ["add_run_arguments", "run", "spec_from_args"]
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's
+LOGS_SPECS_GROUP = "torchrun.logs_specs"  # torchrun's entry point group
 
 
 def _flag(parser: argparse._ActionsContainer, name: str, **kwargs: object) -> None:
@@ -78,13 +87,24 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--duplicate-stderr-filters", default="", help="... and stderr lines")
     _flag(parser, "--log-line-prefix-template", default=None, help="e.g. '[$rank]:'")
     _flag(parser, "--virtual-local-rank", action="store_true", help="one GPU per worker")
-    _flag(parser, "--shutdown-timeout", type=float, default=30.0, help="SIGTERM to SIGKILL")
+    _flag(parser, "--numa-binding", choices=AFFINITY_MODES, default=None,
+          help="bind local rank i to CPUs near GPU i (torch's rules, no numactl)")  # fmt: skip
+    _flag(parser, "--shutdown-timeout", type=float, default=None,
+          help="SIGTERM to SIGKILL (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)")  # fmt: skip
+    _flag(parser, "--signals-to-handle", default=DEFAULT_SIGNALS,
+          help="passed to the workers, stopping the group (default %(default)s)")  # fmt: skip
     _flag(parser, "--no-python", action="store_true", help="run SCRIPT as a program")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as python -m")
     _flag(parser, "--run-path", action="store_true", help="run SCRIPT as a path (the default)")
     _flag(parser, "--monitor-interval", type=float, default=0.1,
           help="accepted for compatibility: exits are seen at once")  # fmt: skip
     _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
+    _flag(parser, "--logs-specs", default=None, metavar="NAME",
+          help="torch's 'default' (watchdogd's own layout); others are looked up in "
+          "entry point group torchrun.logs_specs")  # fmt: skip
+    _flag(parser, "--event-log-handler", default="null", metavar="NAME",
+          help="record events to this handler: null, console, dynamic_rendezvous, or an "
+          "entry point in group watchdogd.event_handlers")  # fmt: skip
     parser.add_argument("--event-log", metavar="FILE", help="append events as JSON lines to FILE")
     parser.add_argument(
         "training_script", nargs="?", metavar="SCRIPT", help="script, module, or -- CMD ARGS"
@@ -115,11 +135,54 @@ def _entrypoint(args: argparse.Namespace) -> list[str]:
         if not rest:
             raise ValueError("nothing to run after --")
         return rest
+    if args.no_python and args.module and not args.run_path:  # torchrun's check, in its words
+        raise ValueError(
+            "Don't use both the '--no-python' flag and the '--module' flag at the same time."
+        )
     if args.no_python:
         return [script, *rest]
     if args.module:
         return [sys.executable, "-u", "-m", script, *rest]
     return [sys.executable, "-u", script, *rest]
+
+
+def handled_signals(value: str) -> list[signal.Signals]:
+    """``--signals-to-handle``: signal names, as torchrun reads them (``SIGTERM,SIGUSR1``)."""
+    chosen: list[signal.Signals] = []
+    for name in filter(None, (item.strip() for item in value.split(","))):
+        try:
+            signum = signal.Signals[name]
+        except KeyError:
+            raise ValueError(f"--signals-to-handle: {name!r} is not a signal name") from None
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"--signals-to-handle: {name} cannot be handled")
+        chosen.append(signum)
+    return chosen
+
+
+def check_logs_specs(name: str | None) -> None:
+    """``--logs-specs``: torch's ``default`` is watchdogd's own layout of the log files.
+
+    Another name is looked up as torchrun does, among the ``torchrun.logs_specs``
+    entry points; it is refused when missing (in torchrun's words) and when found,
+    since watchdogd writes each worker's files itself and never calls a ``LogsSpecs``.
+    """
+    if name is None or name == "default":
+        return
+    try:
+        found = load_entry_point(LOGS_SPECS_GROUP, name)
+    except PluginError as e:
+        raise ValueError(f"--logs-specs {name}: {e}") from None
+    if found is None:
+        raise ValueError(
+            f"--logs-specs: Could not find entrypoint under '{LOGS_SPECS_GROUP}[{name}]' key"
+        )
+    what = getattr(found, "__qualname__", repr(found))
+    raise ValueError(
+        f"--logs-specs {name}: {LOGS_SPECS_GROUP}[{name}] is {what}, a LogsSpecs of its own: "
+        "watchdogd run lays out logs itself (LOG_DIR/ROLE/attempt_N/LOCAL_RANK/) "
+        "and supports only 'default'"
+    )
 
 
 def _comma_list(value: str) -> list[str]:
@@ -176,11 +239,23 @@ def _rendezvous(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def _shutdown_timeout(flag: float | None) -> float:
+    """The flag, else torch's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else torch's 30 s."""
+    if flag is not None:
+        return flag
+    value = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={value!r} is not a number") from None
+
+
 def spec_from_args(args: argparse.Namespace) -> GroupSpec:
     """The group torchrun would launch for these flags; ValueError names a bad one."""
     rendezvous = _rendezvous(args)
     nproc = _nproc(args.nproc_per_node)
-    env = {}
+    # torchrun's agent exports this, so a launcher nested in a worker handles the same.
+    env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": args.signals_to_handle}
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so workers don't oversubscribe
     log_dir = args.log_dir
@@ -205,7 +280,8 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "local_ranks_filter": ranks_filter,
                 "log_line_prefix_template": args.log_line_prefix_template,
                 "virtual_local_rank": args.virtual_local_rank,
-                "shutdown_timeout": args.shutdown_timeout,
+                "numa_binding": args.numa_binding,
+                "shutdown_timeout": _shutdown_timeout(args.shutdown_timeout),
                 "duplicate_stdout_filters": _comma_list(args.duplicate_stdout_filters),
                 "duplicate_stderr_filters": _comma_list(args.duplicate_stderr_filters),
                 "rendezvous": rendezvous,
@@ -224,7 +300,9 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
         f"after {info.attempt + 1} attempt(s), {runner.machine.restarts_used} restart(s)"
     ]
     failure = info.last_failure
-    if failure is not None:
+    if failure is not None and failure.rank < 0:  # the group itself: no worker to name
+        lines.append(f"  {failure.reason}")
+    elif failure is not None:
         lines.append(
             f"  rank {failure.rank} (local rank {failure.local_rank}, pid {failure.pid}): "
             f"{failure.reason}"
@@ -238,6 +316,8 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
 
 def run(args: argparse.Namespace, config: Config) -> int:
     try:
+        signals = handled_signals(args.signals_to_handle)
+        check_logs_specs(args.logs_specs)
         spec = spec_from_args(args)
     except ValueError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
@@ -247,6 +327,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
         config = msgspec.structs.replace(config, fifo=timer_file)  # serve torch's path
     if args.event_log:
         config = msgspec.structs.replace(config, event_log=args.event_log)
+    if args.event_log_handler != "null":
+        config = msgspec.structs.replace(config, event_log_handler=args.event_log_handler)
     health_port = os.environ.get("TORCHELASTIC_HEALTH_CHECK_PORT")
     if health_port and config.metrics_listen is None:
         config = msgspec.structs.replace(config, metrics_listen=health_port)
@@ -259,10 +341,16 @@ def run(args: argparse.Namespace, config: Config) -> int:
         # Stack dumps of hung workers outlive the run: next to the logs, or in /tmp.
         state_dir = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
         config = msgspec.structs.replace(config, state_dir=str(state_dir) if state_dir else None)
-    daemon = Daemon(config)
+    try:
+        daemon = Daemon(config)
+    except ConfigError as e:
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir)
+        print(f"watchdogd run: {e}", file=sys.stderr)
+        return EXIT_USAGE
     outcome: dict[str, GroupState | int] = {}
     try:
-        _aio.run(partial(_run_group, daemon, spec, outcome))
+        _aio.run(partial(_run_group, daemon, spec, signals, outcome))
     finally:
         dumps = daemon.stacks.list() if daemon.stacks.directory.is_dir() else []
         if dumps:
@@ -279,40 +367,52 @@ def run(args: argparse.Namespace, config: Config) -> int:
                 shutil.rmtree(runtime_dir)
     if "error" in outcome:
         return EXIT_USAGE
-    if "signal" in outcome:
-        return 128 + int(outcome["signal"])
     runner = daemon.supervisor.groups[spec.name]
     state = outcome.get("state", runner.state)
     assert isinstance(state, GroupState)
+    if "signal" in outcome:
+        name = signal.Signals(int(outcome["signal"])).name
+        print(f"watchdogd run: {name} received, passed to the workers; group {state.value}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_FAILED
     if state is GroupState.SUCCEEDED:
         return 0
     print(summarize(runner, state), file=sys.stderr)
     return EXIT_FAILED
 
 
-async def _run_group(daemon: Daemon, spec: GroupSpec, outcome: dict[str, GroupState | int]) -> None:
+async def _run_group(
+    daemon: Daemon,
+    spec: GroupSpec,
+    signals: list[signal.Signals],
+    outcome: dict[str, GroupState | int],
+) -> None:
     done = anyio.Event()
 
     def finished(runner: GroupRunner, state: GroupState) -> None:
         outcome["state"] = state
         done.set()
 
-    async def until_done_or_signalled() -> None:
+    async def forward_signals() -> None:
+        """Each signal to the workers; the group stops, and the run ends once it has."""
+        with anyio.open_signal_receiver(*signals) as received:
+            async for signum in received:
+                outcome.setdefault("signal", signum)
+                try:
+                    daemon.supervisor.get(spec.name).signalled(signum)
+                except GroupError:  # not started, or over: nobody to pass it to
+                    done.set()
+
+    async def until_done() -> None:
         async with anyio.create_task_group() as tg:
-
-            async def watch_signals() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for signum in signals:
-                        outcome["signal"] = signum
-                        done.set()
-
-            tg.start_soon(watch_signals)
+            if signals:
+                tg.start_soon(forward_signals)
             await done.wait()
             tg.cancel_scope.cancel()
 
     daemon.supervisor.on_finished = finished
     async with anyio.create_task_group() as tg:
-        await tg.start(partial(daemon.serve, shutdown_trigger=until_done_or_signalled))
+        await tg.start(partial(daemon.serve, shutdown_trigger=until_done))
         try:
             daemon.supervisor.submit(spec)
         except GroupError as e:

@@ -70,6 +70,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Most often the snapshot is rewritten (seconds); it is written only after changes."""
     event_log: str | None = None
     """Append every event as one JSON line to this file."""
+    event_log_handler: str = "null"
+    """Also record every event to this torch event handler (torchrun's ``--event-log-handler``)."""
+    event_handlers: dict[str, str] = {}
+    """Handlers by name, ``"module:attribute"``: a ``logging.Handler`` or a callable making one."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     """``text``: ``name key=value …`` lines; ``json``: each event as one JSON object."""

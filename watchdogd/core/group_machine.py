@@ -13,6 +13,13 @@ Rules
   HEALTHY -> UNHEALTHY at once, every worker gets SIGKILL, and there is no
   restart (the node itself is suspect).
 - ``stop`` (operator, shutdown): every worker is stopped, ending in STOPPED.
+- ``signalled`` (the launcher received a signal it handles, torchrun's
+  ``--signals-to-handle``): the same, the workers getting that signal
+  instead of SIGTERM; a signal received while stopping is passed on too.
+- ``error``: an attempt that cannot start (a command that is not there, a
+  NUMA binding that cannot be applied, a rendezvous that failed) ends the
+  group at once, no restart: any state but a final one -> FAILED. Whoever
+  runs the machine kills what had started.
 - ``restart`` (operator, or a node joined the job) stops the workers and
   starts a new attempt without spending a restart; ``fail`` (a peer node
   was lost) does the same as a worker failure, spending one.
@@ -127,11 +134,28 @@ class GroupMachine:
         after: AfterStop = "restart" if self.restarts_left > 0 else "fail"
         return self._stop_workers(now, after, reason)
 
+    def error(self, reason: str) -> list[Action]:
+        """The group cannot run (its attempt cannot start): FAILED, with no restart."""
+        if self.state in (S.SUCCEEDED, S.FAILED, S.UNHEALTHY):
+            return []
+        self._kill_at = None
+        return [self._move(S.FAILED, reason), Finished(S.FAILED)]  # any -> FAILED
+
     def stop(self, now: float, reason: str = "stop requested") -> list[Action]:
         if self.state is S.HEALTHY:
             return self._stop_workers(now, "stop", reason)
         if self.state is S.STOPPING:
             self._after_stop = "stop"
+        return []
+
+    def signalled(self, signum: int, now: float) -> list[Action]:
+        """The launcher got ``signum``: the workers get it, and the group stops."""
+        reason = f"{signal.Signals(signum).name} received"
+        if self.state is S.HEALTHY:
+            return self._stop_workers(now, "stop", reason, signum)
+        if self.state is S.STOPPING:
+            self._after_stop = "stop"  # no restart after this attempt either
+            return [Signal(tuple(sorted(self.alive)), signum)] if self.alive else []
         return []
 
     def restart(self, now: float, reason: str = "restart requested") -> list[Action]:
@@ -160,13 +184,15 @@ class GroupMachine:
             Spawn(self.attempt, self.restarts_used),
         ]
 
-    def _stop_workers(self, now: float, after: AfterStop, reason: str) -> list[Action]:
+    def _stop_workers(
+        self, now: float, after: AfterStop, reason: str, signum: int = signal.SIGTERM
+    ) -> list[Action]:
         self._after_stop = after
         actions: list[Action] = [self._move(S.STOPPING, reason)]  # HEALTHY -> STOPPING
         if not self.alive:
             return actions + self._stopped()
         self._kill_at = now + self.shutdown_timeout
-        actions.append(Signal(tuple(sorted(self.alive)), signal.SIGTERM))
+        actions.append(Signal(tuple(sorted(self.alive)), signum))
         return actions
 
     def _stopped(self) -> list[Action]:

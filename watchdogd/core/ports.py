@@ -9,11 +9,13 @@ through these ports.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
+from watchdogd.core.numa import Gpu, Topology
 from watchdogd_client.groups import GroupInfo, GroupSpec
 
-__all__ = ["EventSink", "GroupControl", "GroupError", "Metadata", "Supervision"]
+__all__ = ["EventSink", "GroupControl", "GroupError", "Hardware", "Metadata", "Supervision"]
 
 Metadata = str | int | float | bool | None
 
@@ -52,3 +54,15 @@ class GroupControl(Protocol):
     def restart(self, name: str) -> None: ...
 
     def infos(self) -> list[GroupInfo]: ...
+
+
+class Hardware(Protocol):
+    """What NUMA binding reads of the node; both calls may block (NVML, sysfs)."""
+
+    def gpus(self) -> list[Gpu]:
+        """Every GPU with its PCI bus id, in NVML's order; NumaError when that is unknown."""
+        ...
+
+    def topology(self, bus_ids: Sequence[str]) -> Topology:
+        """The NUMA nodes, their CPUs, and the nodes of these GPUs."""
+        ...

@@ -23,6 +23,7 @@ __all__ = [
     "apply_env_knobs",
     "attempt_dir",
     "gpu_assignment",
+    "group_devices",
     "log_prefix",
     "stream_routes",
     "worker_env",
@@ -55,20 +56,23 @@ class StreamRoute(msgspec.Struct, frozen=True):
         return bool(self.filters) or self.console == "prefixed"
 
 
+def _assigned(spec: GroupSpec, visible: list[str] | None) -> list[str] | None:
+    if spec.gpus is None:
+        return visible if spec.virtual_local_rank and visible is not None else None
+    if spec.gpus == "all":
+        if visible is None:
+            raise ValueError("gpus = 'all' but no GPU is visible to the daemon")
+        return visible
+    return [str(d) for d in spec.gpus]
+
+
 def gpu_assignment(spec: GroupSpec, visible: list[str] | None) -> dict[int, str | None]:
     """``CUDA_VISIBLE_DEVICES`` per local rank (None: leave it alone).
 
     ``visible`` is what the daemon itself sees (its ``CUDA_VISIBLE_DEVICES``
     or the driver's device list), used for ``gpus = "all"``.
     """
-    if spec.gpus is None:
-        devices = visible if spec.virtual_local_rank and visible is not None else None
-    elif spec.gpus == "all":
-        if visible is None:
-            raise ValueError("gpus = 'all' but no GPU is visible to the daemon")
-        devices = visible
-    else:
-        devices = [str(d) for d in spec.gpus]
+    devices = _assigned(spec, visible)
     if devices is None:
         if spec.virtual_local_rank:
             return {rank: str(rank) for rank in range(spec.nproc)}
@@ -82,6 +86,21 @@ def gpu_assignment(spec: GroupSpec, visible: list[str] | None) -> dict[int, str 
             f"{len(devices)} devices ({','.join(devices)})"
         )
     return {rank: devices[rank] for rank in range(spec.nproc)}
+
+
+def group_devices(
+    spec: GroupSpec, visible: list[str] | None, environ: Mapping[str, str]
+) -> list[str] | None:
+    """The ``CUDA_VISIBLE_DEVICES`` entries local rank *i* takes entry *i* of (None: every GPU).
+
+    The devices the spec assigns, else the ``CUDA_VISIBLE_DEVICES`` the
+    workers inherit (the spec's ``env``, then ``environ``, the daemon's).
+    """
+    devices = _assigned(spec, visible)
+    if devices is not None:
+        return devices
+    inherited = {**environ, **spec.env}.get("CUDA_VISIBLE_DEVICES")
+    return None if inherited is None else [d.strip() for d in inherited.split(",") if d.strip()]
 
 
 def _selector(value: str, nproc: int) -> dict[int, int]:
@@ -132,12 +151,16 @@ def apply_env_knobs(spec: GroupSpec, environ: Mapping[str, str]) -> GroupSpec:
 
     ``TORCHELASTIC_ENABLE_FILE_TIMER=0`` keeps ``TORCHELASTIC_TIMER_FILE``
     from the workers; ``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT`` sets
-    the D-state timeout when the spec does not.
+    the D-state timeout and ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` the
+    console prefix (torchrun's only way to set it) when the spec does not.
     """
     knobs = {**environ, **spec.env}
     changes: dict[str, object] = {}
     if knobs.get("TORCHELASTIC_ENABLE_FILE_TIMER", "1").strip() == "0":
         changes["file_timer"] = False
+    prefix = knobs.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+    if prefix is not None and spec.log_line_prefix_template is None:
+        changes["log_line_prefix_template"] = prefix
     d_state = knobs.get("TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT", "").strip()
     if d_state and spec.uninterruptible_state_timeout is None:
         try:
@@ -167,12 +190,12 @@ def worker_env(
     placement: Placement,
     local_rank: int,
     restart_count: int,
-    attempt: int,
     *,
     base: Mapping[str, str],
     cuda_visible: str | None,
     socket_path: str,
     fifo_path: str,
+    error_path: Path,
 ) -> dict[str, str]:
     """The full environment of one worker: ``base`` (the daemon's), the spec's, torchrun's."""
     rank = placement.group_rank * spec.nproc + local_rank
@@ -195,6 +218,7 @@ def worker_env(
             "TORCHELASTIC_RESTART_COUNT": str(restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_ERROR_FILE": str(error_path),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "WATCHDOGD_SOCKET": socket_path,
             "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
@@ -204,9 +228,6 @@ def worker_env(
         env["TORCHELASTIC_TIMER_FILE"] = fifo_path
     else:
         env.pop("TORCHELASTIC_TIMER_FILE", None)
-    directory = attempt_dir(spec, attempt)
-    if directory is not None:
-        env["TORCHELASTIC_ERROR_FILE"] = str(directory / str(local_rank) / "error.json")
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     return env

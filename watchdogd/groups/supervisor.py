@@ -10,6 +10,12 @@ Workers start in their own session, so a signal to a worker reaches its
 whole process group (data loaders, compilers) and nothing is orphaned:
 when a worker exits, whatever it left in its group is killed before the
 worker is reaped, while its pid still names that group.
+
+With ``numa_binding``, each worker starts bound to the CPUs near its GPU
+(:mod:`watchdogd.core.numa` decides, from the ``Hardware`` port, once per
+group, in a thread since NVML and sysfs block): the loop's thread binds
+itself for the ``Popen`` call and unbinds right after
+(:func:`watchdogd.linux.numa.bound_to`), so no ``numactl`` is needed.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -33,13 +42,15 @@ import msgspec
 
 from watchdogd.core.dstate import DStateDetector
 from watchdogd.core.group_machine import Action, Finished, GroupMachine, Signal, Spawn, Transition
-from watchdogd.core.ports import EventSink, GroupError
+from watchdogd.core.numa import NumaError, bind, cuda_devices, format_cpulist
+from watchdogd.core.ports import EventSink, GroupError, Hardware
 from watchdogd.core.rdzv_state import Change, RendezvousError
 from watchdogd.core.workerenv import (
     Placement,
     apply_env_knobs,
     attempt_dir,
     gpu_assignment,
+    group_devices,
     log_prefix,
     stream_routes,
     worker_env,
@@ -47,6 +58,7 @@ from watchdogd.core.workerenv import (
 from watchdogd.groups.rendezvous import open_rendezvous
 from watchdogd.groups.worker_logs import StreamCopier, open_target, start_copier
 from watchdogd.linux import aio
+from watchdogd.linux.numa import NodeHardware, bound_to
 from watchdogd.linux.procs import read_stat
 from watchdogd_client.events import RdzvEvent
 from watchdogd_client.groups import Failure, GroupInfo, GroupSpec, GroupState, WorkerInfo
@@ -56,6 +68,8 @@ __all__ = ["Endpoints", "GroupRunner", "Supervisor", "WorkerIndex"]
 log = logging.getLogger("watchdogd.supervisor")
 
 _DRAIN_TIMEOUT = 2.0
+# NVML's init can take a second or more on GPUs without persistence mode.
+_HARDWARE_TIMEOUT = 30.0
 
 
 class Endpoints(NamedTuple):
@@ -148,12 +162,19 @@ class GroupRunner:
     """One worker group: its machine, its processes, its logs."""
 
     def __init__(
-        self, spec: GroupSpec, *, events: EventSink, endpoints: Endpoints, workers: WorkerIndex
+        self,
+        spec: GroupSpec,
+        *,
+        events: EventSink,
+        endpoints: Endpoints,
+        workers: WorkerIndex,
+        hardware: Hardware,
     ) -> None:
         self.spec = spec
         self.events = events
         self.endpoints = endpoints
         self.index = workers
+        self.hardware = hardware
         self.rendezvous = open_rendezvous(spec, self._rdzv_event)
         self.machine = GroupMachine(
             spec.nproc, self.rendezvous.local_restarts, spec.shutdown_timeout
@@ -166,6 +187,15 @@ class GroupRunner:
         self.placement: Placement | None = None
         self.routes = stream_routes(spec)
         self.gpus = self._assign_gpus()
+        # Every worker gets torch's error file, as under torchrun: beside its logs when
+        # there are logs, else in a directory of the group's own, kept only if it failed.
+        self.run_dir = (
+            Path(spec.log_dir) / spec.name
+            if spec.log_dir is not None
+            else Path(tempfile.mkdtemp(prefix=f"watchdogd-{spec.name}-"))
+        )
+        self.cpus: dict[int, frozenset[int]] | None = None
+        """Each local rank's CPUs under ``numa_binding``, once decided."""
         self.finished = anyio.Event()
         self._reason = ""
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[tuple[str, int, int]](
@@ -185,6 +215,42 @@ class GroupRunner:
         except ValueError as e:
             raise GroupError(f"group {self.spec.name}: {e}") from None
 
+    async def _bind_numa(self) -> None:
+        """Decide each rank's CPUs; GroupError naming the rank and why when that can't be done."""
+        mode = self.spec.numa_binding
+        if mode is None or self.cpus is not None:
+            return
+        environ = {**os.environ, **self.spec.env}
+        visible = group_devices(self.spec, visible_gpus(), environ)
+
+        def decide() -> dict[int, frozenset[int]]:
+            try:
+                gpus = self.hardware.gpus()
+            except NumaError as e:
+                ranks = "local rank 0" + (f"-{self.spec.nproc - 1}" if self.spec.nproc > 1 else "")
+                raise NumaError(f"cannot find the GPUs of {ranks}: {e}") from None
+            devices = cuda_devices(gpus, visible, environ.get("CUDA_DEVICE_ORDER"))
+            topology = self.hardware.topology([gpu.bus_id for gpu in devices])
+            return bind(mode, devices, self.spec.nproc, topology)
+
+        what = f"group {self.spec.name}: numa binding {mode!r}"
+        try:
+            with anyio.fail_after(_HARDWARE_TIMEOUT):
+                self.cpus = await anyio.to_thread.run_sync(decide, abandon_on_cancel=True)
+        except NumaError as e:
+            gpus = "every GPU" if visible is None else f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
+            raise GroupError(f"{what}: {e}; the group's GPUs: {gpus}") from None
+        except TimeoutError:
+            raise GroupError(
+                f"{what}: NVML or sysfs did not answer within {_HARDWARE_TIMEOUT:.0f} s"
+            ) from None
+        self.events.emit(
+            "numa_binding",
+            group=self.spec.name,
+            mode=mode,
+            cpus=" ".join(f"{r}:{format_cpulist(c)}" for r, c in sorted(self.cpus.items())),
+        )
+
     # -- control -----------------------------------------------------------------
 
     def stop(self) -> None:
@@ -192,6 +258,10 @@ class GroupRunner:
 
     def restart(self) -> None:
         self._control("restart")
+
+    def signalled(self, signum: int) -> None:
+        """The launcher received ``signum``: pass it to the workers and stop the group."""
+        self._control("signal", signum)
 
     def mark_unhealthy(self, reason: str) -> None:
         self._reason = reason
@@ -203,10 +273,10 @@ class GroupRunner:
             devices is None or str(index) in devices.split(",") for devices in self.gpus.values()
         )
 
-    def _control(self, command: str) -> None:
+    def _control(self, command: str, value: int = -1) -> None:
         if self.finished.is_set():
             raise GroupError(f"group {self.spec.name} is not running ({self.state.value})")
-        self._inbox_send.send_nowait((command, -1, -1))
+        self._inbox_send.send_nowait((command, -1, value))
 
     @property
     def state(self) -> GroupState:
@@ -234,23 +304,40 @@ class GroupRunner:
         try:
             async with self.rendezvous, anyio.create_task_group() as tg:
                 tg.start_soon(self.rendezvous.watch, self._membership_changed)
+                # Caught here, inside the task group, or it would leave wrapped in a group.
                 try:
                     final = await self._run_attempts()
                 except RendezvousError as e:
-                    self.last_failure = Failure(
-                        local_rank=-1, rank=-1, pid=0, exitcode=1, reason=str(e),
-                        timestamp=time.time(),
-                    )  # fmt: skip
-                    final = GroupState.FAILED
+                    final = await self._cannot_run(str(e), exitcode=1)
+                except GroupError as e:  # an attempt that cannot start: no restart helps
+                    self.events.emit("group_error", group=self.spec.name, reason=str(e))
+                    final = await self._cannot_run(str(e), exitcode=127)
                 await self.rendezvous.finish(final)
                 tg.cancel_scope.cancel()
             return final
         finally:
             with anyio.CancelScope(shield=True):
                 await self._kill_everything()
+            self._drop_run_dir()
             self._inbox_send.close()
             self._inbox.close()
             self.finished.set()
+
+    def _drop_run_dir(self) -> None:
+        """Remove the group's own directory unless it holds the error file of a failure."""
+        if self.spec.log_dir is not None:
+            return  # the operator's
+        if self.machine.state is GroupState.SUCCEEDED or not any(
+            self.run_dir.glob("attempt_*/*/error.json")
+        ):
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    async def _cannot_run(self, reason: str, *, exitcode: int) -> GroupState:
+        self.last_failure = Failure(
+            local_rank=-1, rank=-1, pid=0, exitcode=exitcode, reason=reason, timestamp=time.time()
+        )
+        await self._apply(self.machine.error(reason))
+        return GroupState.FAILED
 
     async def _run_attempts(self) -> GroupState:
         final = await self._apply(self.machine.start())
@@ -295,6 +382,8 @@ class GroupRunner:
                     return self._on_exit(local_rank, value, now)
                 case "stop":
                     return self.machine.stop(now)
+                case "signal":
+                    return self.machine.signalled(value, now)
                 case "restart":
                     return self.machine.restart(now)
                 case "unhealthy":
@@ -348,6 +437,7 @@ class GroupRunner:
     # -- processes ---------------------------------------------------------------
 
     async def _start_attempt(self, attempt: int, restart_count: int) -> None:
+        await self._bind_numa()  # before rendezvous: a node that cannot start holds nobody up
         placement, restart_count = await self.rendezvous.next_round(restart_count)
         self.placement = placement
         self.workers = {}
@@ -355,22 +445,23 @@ class GroupRunner:
         directory = attempt_dir(self.spec, attempt)
         for local_rank in range(self.spec.nproc):
             rank = placement.group_rank * self.spec.nproc + local_rank
+            rank_dir = directory / str(local_rank) if directory is not None else None
+            error_path = self.run_dir / f"attempt_{attempt}" / str(local_rank) / "error.json"
+            error_path.parent.mkdir(parents=True, exist_ok=True)  # rank_dir, if there are logs
+            error_path.unlink(missing_ok=True)  # an earlier run's, in a log dir used again
             env = worker_env(
                 self.spec,
                 placement,
                 local_rank,
                 restart_count,
-                attempt,
                 base=base,
                 cuda_visible=self.gpus[local_rank],
                 socket_path=self.endpoints.socket_path,
                 fifo_path=self.endpoints.fifo_path,
+                error_path=error_path,
             )
-            rank_dir = directory / str(local_rank) if directory is not None else None
-            if rank_dir is not None:
-                rank_dir.mkdir(parents=True, exist_ok=True)
             worker = self._spawn(local_rank, rank, attempt, env, rank_dir)
-            worker.error_file = env.get("TORCHELASTIC_ERROR_FILE")
+            worker.error_file = str(error_path)
             self.workers[local_rank] = worker
             self.index.add(worker.pid, self.spec.name)
             aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
@@ -387,16 +478,18 @@ class GroupRunner:
         out_route, err_route = self.routes[local_rank]
         stdout = open_target(out_route, rank_dir)
         stderr = open_target(err_route, rank_dir)
+        cpus = self.cpus.get(local_rank) if self.cpus is not None else None
         try:
-            popen = subprocess.Popen(
-                self.spec.entrypoint,
-                env=env,
-                cwd=self.spec.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=stderr,
-                start_new_session=True,
-            )
+            with bound_to(cpus) if cpus is not None else nullcontext():
+                popen = subprocess.Popen(
+                    self.spec.entrypoint,
+                    env=env,
+                    cwd=self.spec.cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=stdout,
+                    stderr=stderr,
+                    start_new_session=True,
+                )
         except OSError as e:
             raise GroupError(
                 f"group {self.spec.name}: cannot start {self.spec.entrypoint[0]!r}: {e.strerror}"
@@ -513,9 +606,12 @@ class GroupRunner:
 class Supervisor:
     """The daemon's worker groups, by name: the socket's ``GroupControl`` port."""
 
-    def __init__(self, events: EventSink, endpoints: Endpoints) -> None:
+    def __init__(
+        self, events: EventSink, endpoints: Endpoints, hardware: Hardware | None = None
+    ) -> None:
         self.events = events
         self.endpoints = endpoints
+        self.hardware: Hardware = hardware if hardware is not None else NodeHardware()
         self.workers = WorkerIndex()
         self.groups: dict[str, GroupRunner] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -536,21 +632,18 @@ class Supervisor:
         except ValueError as e:
             raise GroupError(f"group {spec.name}: {e}") from None
         runner = GroupRunner(
-            spec, events=self.events, endpoints=self.endpoints, workers=self.workers
+            spec,
+            events=self.events,
+            endpoints=self.endpoints,
+            workers=self.workers,
+            hardware=self.hardware,
         )
         self.groups[spec.name] = runner
         self._task_group.start_soon(self._run, runner, name=f"group {spec.name}")
         return runner
 
     async def _run(self, runner: GroupRunner) -> None:
-        try:
-            state = await runner.run()
-        except GroupError as e:
-            self.events.emit("group_error", group=runner.spec.name, reason=str(e))
-            runner.last_failure = Failure(
-                local_rank=-1, rank=-1, pid=0, exitcode=127, reason=str(e), timestamp=time.time()
-            )
-            state = GroupState.FAILED
+        state = await runner.run()
         if self.on_finished is not None:
             self.on_finished(runner, state)
 

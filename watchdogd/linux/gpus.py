@@ -5,6 +5,8 @@ on it, mapped to the worker groups and ranks this daemon supervises. Without
 NVML (no package, no driver, no GPU) it says why instead, and nothing else
 in the daemon notices.
 
+``pci_gpus`` lists the GPUs with their PCI bus ids, for NUMA binding.
+
 ``XidWatcher`` waits, in a thread of its own, for NVML's critical events —
 XID errors and double-bit ECC errors — and reports each to the event loop,
 where the groups on that GPU can be marked UNHEALTHY.
@@ -16,9 +18,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from watchdogd.core.numa import Gpu, NumaError, sysfs_bus_id
 from watchdogd_client.protocol import GpuInfo, GpuProcess
 
-__all__ = ["XidWatcher", "read_gpus"]
+__all__ = ["XidWatcher", "pci_gpus", "read_gpus"]
 
 _MIB = 1 << 20
 
@@ -58,11 +61,10 @@ def read_gpus(workers: dict[int, tuple[str, int]]) -> tuple[list[GpuInfo], str |
                         rank=rank,
                     )
                 )
-            name = nvml.nvmlDeviceGetName(handle)
             gpus.append(
                 GpuInfo(
                     index=index,
-                    name=name.decode() if isinstance(name, bytes) else str(name),
+                    name=_text(nvml.nvmlDeviceGetName(handle)),
                     memory_used_mib=memory.used // _MIB,
                     memory_total_mib=memory.total // _MIB,
                     temperature_c=nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU),
@@ -72,6 +74,34 @@ def read_gpus(workers: dict[int, tuple[str, int]]) -> tuple[list[GpuInfo], str |
         return gpus, None
     except nvml.NVMLError as e:
         return [], f"NVML query failed: {e}"
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def pci_gpus() -> list[Gpu]:
+    """Every GPU in NVML's order (PCI bus order) with its bus id; NumaError when NVML can't say."""
+    nvml, reason = _nvml()
+    if nvml is None:
+        raise NumaError(f"no GPU list: {reason}")
+    try:
+        gpus = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            gpus.append(
+                Gpu(
+                    index=index,
+                    uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                    bus_id=sysfs_bus_id(_text(nvml.nvmlDeviceGetPciInfo(handle).busId)),
+                    name=_text(nvml.nvmlDeviceGetName(handle)),
+                )
+            )
+        return gpus
+    except nvml.NVMLError as e:
+        raise NumaError(f"NVML query failed: {e}") from None
     finally:
         nvml.nvmlShutdown()
 

@@ -1,0 +1,308 @@
+"""``watchdogd run`` as a torchrun drop-in: every torchrun flag, and what each new one does.
+
+Each test runs the installed command as a real process, with real workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from watchdogd.cli.run import add_run_arguments
+
+from ..conftest import wait_until
+
+
+def run(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["watchdogd", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def script(tmp_path: Path, code: str, name: str = "worker.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(code))
+    return str(path)
+
+
+def plugin(tmp_path: Path, source: str, entry_points: str) -> dict[str, str]:
+    """An installed distribution (a dist-info on ``PYTHONPATH``) with ``entry_points``."""
+    site = tmp_path / "site"
+    info = site / "wd_test_plugin-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: wd-test-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+    (site / "wd_test_plugin.py").write_text(textwrap.dedent(source))
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+
+
+# -- every torchrun flag --------------------------------------------------------------
+
+
+def test_every_torchrun_option_is_accepted() -> None:
+    torch_run = pytest.importorskip("torch.distributed.run")
+    theirs = {
+        option
+        for action in torch_run.get_args_parser()._actions
+        for option in action.option_strings
+    }
+    ours = argparse.ArgumentParser()
+    add_run_arguments(ours)
+    assert theirs - set(ours._option_string_actions) == set()
+    shown = subprocess.run(["watchdogd", "run", "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0
+    assert theirs - set(re.findall(r"(?<![\w-])--?[\w-]+", shown.stdout)) == set()
+
+
+# -- --numa-binding (the binding itself: tests/unit/test_numa.py, test_numa_binding.py) --
+
+
+def test_numa_binding_that_cannot_be_applied_fails_the_launch_naming_the_rank() -> None:
+    # No GPU is visible, whether or not this machine has one (and NVML).
+    out = run("--numa-binding", "node", "--no-python", "true", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 1
+    assert "group default: numa binding 'node'" in out.stderr
+    assert "local rank 0" in out.stderr
+    out = run("--numa-binding", "rack", "--no-python", "true")
+    assert out.returncode == 2 and "invalid choice: 'rack'" in out.stderr
+
+
+# -- --signals-to-handle -----------------------------------------------------------------
+
+RECORDER = """
+import os, signal, sys, time
+out = sys.argv[1]
+def got(signum, frame):
+    with open(os.path.join(out, "got-" + os.environ["RANK"]), "w") as f:
+        f.write(signal.Signals(signum).name)
+    sys.exit(0)
+for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1"):
+    signal.signal(getattr(signal, name), got)
+open(os.path.join(out, "ready-" + os.environ["RANK"]), "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("sig", "flags"),
+    [
+        (signal.SIGTERM, []),
+        (signal.SIGINT, []),
+        (signal.SIGHUP, []),
+        (signal.SIGQUIT, []),
+        (signal.SIGUSR1, ["--signals-to-handle", "SIGTERM,SIGUSR1"]),
+    ],
+    ids=lambda value: value.name if isinstance(value, signal.Signals) else "",
+)
+def test_a_handled_signal_reaches_every_worker_and_exits_1_as_torchrun(
+    tmp_path: Path, sig: signal.Signals, flags: list[str]
+) -> None:
+    worker = script(tmp_path, RECORDER)
+    proc = subprocess.Popen(
+        ["watchdogd", "run", "--nproc-per-node", "2", *flags, worker, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    with proc:
+        wait_until(lambda: all((tmp_path / f"ready-{r}").exists() for r in range(2)), timeout=30)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 1, stderr
+    assert [(tmp_path / f"got-{r}").read_text() for r in range(2)] == [sig.name, sig.name]
+    assert f"{sig.name} received, passed to the workers; group STOPPED" in stderr
+
+
+def test_signals_to_handle_must_name_signals() -> None:
+    out = run("--signals-to-handle", "SIGTERM,SIGNOPE", "--no-python", "true")
+    assert out.returncode == 2
+    assert "--signals-to-handle: 'SIGNOPE' is not a signal name" in out.stderr
+    out = run("--signals-to-handle", "SIGKILL", "--no-python", "true")
+    assert out.returncode == 2 and "SIGKILL cannot be handled" in out.stderr
+
+
+# -- TORCHELASTIC_ERROR_FILE without --log-dir ----------------------------------------
+
+ERROR_WRITER = """
+import json, os, sys
+attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
+path = os.environ["TORCHELASTIC_ERROR_FILE"]
+with open(os.path.join(sys.argv[1], f"{attempt}-{rank}"), "w") as f:
+    f.write(path)
+if attempt == "0" and rank == "1":
+    with open(path, "w") as f:
+        json.dump({"message": {"message": "RuntimeError: boom", "extraInfo": {}}}, f)
+    sys.exit(3)
+"""
+
+
+def test_every_worker_gets_an_error_file_per_attempt_without_a_log_dir(tmp_path: Path) -> None:
+    worker = script(tmp_path, ERROR_WRITER)
+    out = run("--nproc-per-node", "2", "--max-restarts", "1", worker, str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    paths = {name: Path((tmp_path / name).read_text()) for name in ("0-0", "0-1", "1-0", "1-1")}
+    run_dir = paths["0-0"].parents[2]
+    assert run_dir.name.startswith("watchdogd-default-")
+    assert {name: str(p.relative_to(run_dir)) for name, p in paths.items()} == {
+        "0-0": "attempt_0/0/error.json",
+        "0-1": "attempt_0/1/error.json",
+        "1-0": "attempt_1/0/error.json",
+        "1-1": "attempt_1/1/error.json",
+    }
+    assert not run_dir.exists()  # the group succeeded in the end: nothing left behind
+
+
+def test_the_error_file_of_a_failure_is_reported_and_kept_without_a_log_dir(
+    tmp_path: Path,
+) -> None:
+    worker = script(tmp_path, ERROR_WRITER)
+    out = run("--nproc-per-node", "2", worker, str(tmp_path))
+    assert out.returncode == 1
+    assert "exited with status 3" in out.stderr
+    assert "error: RuntimeError: boom" in out.stderr
+    error_file = Path((tmp_path / "0-1").read_text())
+    assert f"error file: {error_file}" in out.stderr
+    assert error_file.exists()
+    shutil.rmtree(error_file.parents[2])
+
+
+# -- entrypoint forms -------------------------------------------------------------------
+
+
+def test_no_python_with_module_is_refused_in_torchruns_words() -> None:
+    out = run("--no-python", "-m", "json.tool")
+    assert out.returncode == 2
+    assert (
+        "Don't use both the '--no-python' flag and the '--module' flag at the same time"
+        in out.stderr
+    )
+
+
+# -- TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE ------------------------------------------------
+
+
+def test_the_prefix_template_from_the_environment_unless_the_flag_says_otherwise() -> None:
+    command = ["--nproc-per-node", "2", "--tee", "3", "--no-python", "echo", "hello"]
+    knob = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]: "}
+    out = run(*command, env=knob)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[rank0]: hello", "[rank1]: hello"]
+    out = run("--log-line-prefix-template", "<$local_rank>", *command, env=knob)
+    assert sorted(out.stdout.splitlines()) == ["<0>hello", "<1>hello"]
+
+
+# -- --event-log-handler ------------------------------------------------------------------
+
+EVENTS_TO_FILE = """
+import logging, os
+
+def to_file():
+    handler = logging.FileHandler(os.environ["WD_TEST_EVENTS"])
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    return handler
+"""
+
+
+def test_an_event_handler_from_an_entry_point_receives_the_launchs_events(
+    tmp_path: Path,
+) -> None:
+    env = plugin(
+        tmp_path, EVENTS_TO_FILE, "[watchdogd.event_handlers]\nto_file = wd_test_plugin:to_file\n"
+    )
+    events = tmp_path / "events.jsonl"
+    env["WD_TEST_EVENTS"] = str(events)
+    out = run("--event-log-handler", "to_file", "--nproc-per-node", "2", "--no-python", "true",
+              env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    recorded = [json.loads(line) for line in events.read_text().splitlines()]
+    names = [event["name"] for event in recorded]
+    assert names.count("worker_started") == names.count("worker_exited") == 2
+    states = [e["metadata"]["state"] for e in recorded if e["name"] == "group_state"]
+    assert states == ["HEALTHY", "SUCCEEDED"]
+    assert {e["metadata"]["group"] for e in recorded if "group" in e["metadata"]} == {"default"}
+
+
+def test_torchs_event_handler_names_and_an_unknown_one(tmp_path: Path) -> None:
+    out = run("--event-log-handler", "console", "--no-python", "true")
+    assert out.returncode == 0, out.stderr
+    assert '{"name": "group_state", "source": "AGENT"' in out.stderr  # torch's JSON, on stderr
+    out = run("--event_log_handler", "dynamic_rendezvous", "--no-python", "true")
+    assert out.returncode == 0, out.stderr
+    out = run("--event-log-handler", "nope", "--no-python", "true")
+    assert out.returncode == 2
+    assert "event_log_handler 'nope'" in out.stderr and "watchdogd.event_handlers" in out.stderr
+
+
+# -- --logs-specs -----------------------------------------------------------------------
+
+
+def test_logs_specs_default_and_a_missing_one(tmp_path: Path) -> None:
+    out = run("--logs-specs", "default", "--log-dir", str(tmp_path), "-r", "1",
+              "--no-python", "echo", "hello")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "default/attempt_0/0/stdout.log").read_text() == "hello\n"
+    out = run("--logs_specs", "DOESNOT_EXIST", "--no-python", "true")
+    assert out.returncode == 2
+    assert "Could not find entrypoint under 'torchrun.logs_specs[DOESNOT_EXIST]' key" in out.stderr
+
+
+def test_a_logs_specs_of_its_own_is_found_as_torchrun_finds_it_then_refused(
+    tmp_path: Path,
+) -> None:
+    env = plugin(
+        tmp_path,
+        "class MyLogsSpecs:\n    pass\n",
+        "[torchrun.logs_specs]\nmine = wd_test_plugin:MyLogsSpecs\n",
+    )
+    out = run("--logs-specs", "mine", "--no-python", "true", env=env)
+    assert out.returncode == 2
+    assert "torchrun.logs_specs[mine] is MyLogsSpecs" in out.stderr
+    assert "supports only 'default'" in out.stderr
+
+
+# -- --shutdown-timeout and TORCH_ELASTIC_SHUTDOWN_TIMEOUT --------------------------------
+
+STUBBORN = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL ends it
+open(os.path.join(sys.argv[1], "ready"), "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("flags", "env"),
+    [([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0.5"}), (["--shutdown-timeout", "0.5"], {})],
+    ids=["environment", "flag"],
+)
+def test_the_sigkill_grace_from_the_flag_or_torchs_variable(
+    tmp_path: Path, flags: list[str], env: dict[str, str]
+) -> None:
+    worker = script(tmp_path, STUBBORN)
+    proc = subprocess.Popen(
+        ["watchdogd", "run", *flags, worker, str(tmp_path)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+    with proc:
+        wait_until(lambda: (tmp_path / "ready").exists(), timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=10)  # 30 s of grace would time out here
+    assert proc.returncode == 1, stderr
+    assert "SIGTERM received, passed to the workers; group STOPPED" in stderr
