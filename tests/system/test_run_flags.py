@@ -139,12 +139,18 @@ def test_signals_to_handle_must_name_signals() -> None:
 # -- TORCHELASTIC_ERROR_FILE without --log-dir ----------------------------------------
 
 ERROR_WRITER = """
-import json, os, sys
+import json, os, sys, time
 attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
 path = os.environ["TORCHELASTIC_ERROR_FILE"]
-with open(os.path.join(sys.argv[1], f"{attempt}-{rank}"), "w") as f:
+told = os.path.join(sys.argv[1], f"{attempt}-{rank}")
+with open(told + ".tmp", "w") as f:
     f.write(path)
+os.replace(told + ".tmp", told)  # whole or absent, even if this rank is stopped now
 if attempt == "0" and rank == "1":
+    # Fail only once rank 0 has told its path: the failure stops rank 0.
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(sys.argv[1], "0-0")) and time.monotonic() < deadline:
+        time.sleep(0.01)
     with open(path, "w") as f:
         json.dump({"message": {"message": "RuntimeError: boom", "extraInfo": {}}}, f)
     sys.exit(3)

@@ -45,12 +45,20 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's
 LOGS_SPECS_GROUP = "torchrun.logs_specs"  # torchrun's entry point group
 
 
-def _flag(parser: argparse._ActionsContainer, name: str, **kwargs: object) -> None:
-    """A torchrun flag: ``--a-b`` and ``--a_b``, defaulting to ``$PET_A_B`` when set."""
+def _flag(parser: argparse._ActionsContainer, name: str, *short: str, **kwargs: object) -> None:
+    """A torchrun flag: ``--a-b`` and ``--a_b``, defaulting to ``$PET_A_B`` when set.
+
+    A switch (``store_true``) is on when ``$PET_A_B`` is set to anything but
+    ``0`` or nothing, as torchrun's ``check_env`` has it.
+    """
     dest = name.lstrip("-").replace("-", "_")
-    aliases = [name] if "-" not in name[2:] else [name, "--" + dest]
-    if "default" in kwargs:
-        kwargs["default"] = os.environ.get(f"PET_{dest.upper()}", kwargs["default"])
+    aliases = [*short, name] if "-" not in name[2:] else [*short, name, "--" + dest]
+    from_env = os.environ.get(f"PET_{dest.upper()}")
+    if kwargs.get("action") == "store_true":
+        if from_env is not None:
+            kwargs["default"] = from_env not in ("", "0")
+    elif "default" in kwargs and from_env is not None:
+        kwargs["default"] = from_env
     parser.add_argument(*aliases, dest=dest, **kwargs)  # type: ignore[arg-type]
 
 
@@ -94,7 +102,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--signals-to-handle", default=DEFAULT_SIGNALS,
           help="passed to the workers, stopping the group (default %(default)s)")  # fmt: skip
     _flag(parser, "--no-python", action="store_true", help="run SCRIPT as a program")
-    parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as python -m")
+    _flag(parser, "--module", "-m", action="store_true", help="run SCRIPT as python -m")
     _flag(parser, "--run-path", action="store_true", help="run SCRIPT as a path (the default)")
     _flag(parser, "--monitor-interval", type=float, default=0.1,
           help="accepted for compatibility: exits are seen at once")  # fmt: skip
