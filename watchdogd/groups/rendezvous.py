@@ -9,10 +9,13 @@ holds a ``RendezvousHandler``):
   restarts are the node-local machine's own;
 - ``etcd`` (:class:`~watchdogd.groups.etcd_backend.EtcdBackend`): elastic
   between min and max nodes on a real etcd, restarts counted job-wide,
-  membership changes restart the group, an exit barrier at the end.
+  membership changes restart the group, an exit barrier at the end;
+- ``c10d`` (:class:`~watchdogd.groups.c10d_backend.C10dBackend`): torch's
+  own rendezvous, run by a torch helper process, so that torchrun's nodes
+  and ours form one job; restarts counted per node, as torch's agents do.
 
-The etcd backend (and its gRPC client) is imported only when a spec asks
-for it.
+The etcd and c10d backends (and their clients) are imported only when a
+spec asks for them.
 """
 
 from __future__ import annotations
@@ -120,4 +123,8 @@ def open_rendezvous(spec: GroupSpec, on_event: Callable[[RdzvEvent], None]) -> R
         from watchdogd.groups.etcd_backend import EtcdBackend
 
         return EtcdBackend(spec, on_event)
+    if spec.rendezvous.backend == "c10d":
+        from watchdogd.groups.c10d_backend import C10dBackend
+
+        return C10dBackend(spec, on_event)
     return StaticRendezvous(spec)

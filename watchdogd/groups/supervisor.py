@@ -354,7 +354,7 @@ class GroupRunner:
         base = dict(os.environ)
         directory = attempt_dir(self.spec, attempt)
         for local_rank in range(self.spec.nproc):
-            rank = placement.group_rank * self.spec.nproc + local_rank
+            rank = placement.rank(local_rank, self.spec.nproc)
             env = worker_env(
                 self.spec,
                 placement,
