@@ -193,7 +193,8 @@ def test_a_wrong_endpoint_fails_soon_naming_it(tmp_path: Path) -> None:
     assert not job.reports()
 
 
-def test_without_torch_the_error_names_the_ways_out(tmp_path: Path) -> None:
+def python_without_torch(tmp_path: Path) -> Path:
+    """An interpreter, as PYTHON_EXEC, that cannot import torch (for what runs with ``-m``)."""
     python = tmp_path / "python-without-torch"
     python.write_text(
         f"""#!/bin/sh
@@ -207,6 +208,11 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
     )
     python.chmod(0o755)
+    return python
+
+
+def test_without_torch_the_error_names_the_ways_out(tmp_path: Path) -> None:
+    python = python_without_torch(tmp_path)
     out = subprocess.run(
         [*WATCHDOGD, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "true"],
         capture_output=True,

@@ -6,6 +6,9 @@ import, and its threads would hold the daemon's GIL — so none of it runs in
 the daemon. It answers the requests of :mod:`watchdogd.groups.torch_wire`,
 one at a time, blocking as torch's agent does:
 
+- ``HostStore``: serve the job's ``TCPStore`` on the socket the daemon
+  bound (torchrun's agent store, ``TORCHELASTIC_USE_AGENT_STORE=True``), so
+  the store outlives every rank;
 - ``Open`` / ``NextRound`` / ``Poll`` / ``Finish``: the c10d rendezvous,
   through the handler torch's registry builds for torchrun's flags and a
   ``LocalElasticAgent`` whose ``_rendezvous`` and ``_exit_barrier`` are the
@@ -34,6 +37,8 @@ from watchdogd.groups.torch_wire import (
     Done,
     Failed,
     Finish,
+    Hosting,
+    HostStore,
     NextRound,
     Open,
     Opened,
@@ -78,12 +83,15 @@ def _failure(error: Exception) -> Failed:
 
 class _Helper:
     def __init__(self) -> None:
+        self.store: Any = None
         self.agent: Any = None
         self.members: set[Any] = set()
 
     def handle(self, request: Request) -> Reply:
         try:
             match request:
+                case HostStore():
+                    return self.host_store(request)
                 case Open():
                     return self.open(request)
                 case NextRound(restart_count=restart_count):
@@ -94,6 +102,21 @@ class _Helper:
                     return self.finish(barrier)
         except Exception as e:
             return _failure(e)
+
+    def host_store(self, request: HostStore) -> Hosting:
+        import torch.distributed as dist
+
+        # The daemon bound the socket (workers may already be knocking): torch
+        # listens on it. Its own client reaches it over loopback.
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            request.port,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=request.fd,
+        )
+        return Hosting(port=self.store.port)
 
     def open(self, request: Open) -> Opened:
         from torch.distributed.elastic.agent.server.api import WorkerSpec

@@ -21,6 +21,8 @@ __all__ = [
     "Done",
     "Failed",
     "Finish",
+    "HostStore",
+    "Hosting",
     "NextRound",
     "Open",
     "Opened",
@@ -36,6 +38,14 @@ MAX_FRAME = 1 << 20
 
 
 # -- requests ------------------------------------------------------------------
+
+
+class HostStore(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Serve the job's store (a ``TCPStore``) on ``fd``, a socket the daemon bound to
+    ``port`` and handed over; replies :class:`Hosting` once it serves."""
+
+    fd: int
+    port: int
 
 
 class Open(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -74,7 +84,7 @@ class Finish(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     barrier: bool
 
 
-Request = Open | NextRound | Poll | Finish
+Request = HostStore | Open | NextRound | Poll | Finish
 
 
 # -- replies -------------------------------------------------------------------
@@ -85,6 +95,10 @@ class Ready(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 
     torch: bool
     python: str
+
+
+class Hosting(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    port: int
 
 
 class Opened(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -126,4 +140,4 @@ class Failed(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     message: str
 
 
-Reply = Ready | Opened | Round | Polled | Done | Failed
+Reply = Ready | Hosting | Opened | Round | Polled | Done | Failed
