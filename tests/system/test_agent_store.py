@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_c10d import free_port, python_without_torch
+from .test_c10d import free_port, python_without
 
 WORKER = """
 import datetime, os, sys, time
@@ -55,7 +55,7 @@ def test_tcp_init_on_master_port_with_the_store_outliving_rank_0(tmp_path: Path)
 
 
 def test_without_torch_rank_0_keeps_the_store(tmp_path: Path) -> None:
-    python = python_without_torch(tmp_path)
+    python = python_without(tmp_path)
     out = run(
         "--nproc-per-node=2", "--no-python", "sh", "-c", "echo $TORCHELASTIC_USE_AGENT_STORE",
         env={"PYTHON_EXEC": str(python)},
@@ -72,3 +72,23 @@ def test_a_taken_master_port_leaves_the_store_to_rank_0() -> None:
         out = run(f"--master-port={port}", "--", "sh", "-c", show)
     assert (out.returncode, out.stdout) == (0, f"False {port}\n"), out.stderr
     assert f"port {port}: Address already in use; the job's store stays with rank 0" in out.stderr
+
+
+def test_standalone_serves_the_store_on_a_free_port() -> None:
+    pytest.importorskip("torch")
+    out = run(
+        "--standalone", "--nproc-per-node=2", "--", "sh", "-c", "echo $TORCHELASTIC_USE_AGENT_STORE"
+    )
+    assert (out.returncode, out.stdout) == (0, "True\nTrue\n"), out.stderr
+
+
+def test_a_store_that_cannot_start_restarts_the_attempt_without_it(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    python = python_without(tmp_path, "torch.distributed")  # torch is there, but broken
+    worker = (
+        'if [ "$TORCHELASTIC_USE_AGENT_STORE" = True ]; then sleep 60; fi; '  # until restarted
+        "echo $TORCHELASTIC_USE_AGENT_STORE $TORCHELASTIC_RESTART_COUNT"
+    )
+    out = run("--no-python", "sh", "-c", worker, env={"PYTHON_EXEC": str(python)})
+    assert (out.returncode, out.stdout) == (0, "False 0\n"), out.stderr
+    assert "the job's store could not start; it goes to rank 0" in out.stderr

@@ -193,14 +193,14 @@ def test_a_wrong_endpoint_fails_soon_naming_it(tmp_path: Path) -> None:
     assert not job.reports()
 
 
-def python_without_torch(tmp_path: Path) -> Path:
-    """An interpreter, as PYTHON_EXEC, that cannot import torch (for what runs with ``-m``)."""
-    python = tmp_path / "python-without-torch"
+def python_without(tmp_path: Path, module: str = "torch") -> Path:
+    """An interpreter, as PYTHON_EXEC, that cannot import ``module`` (for what runs with ``-m``)."""
+    python = tmp_path / "python-without"
     python.write_text(
         f"""#!/bin/sh
 exec {sys.executable} -c '
 import runpy, sys
-sys.modules["torch"] = None  # as if it were not installed
+sys.modules["{module}"] = None  # as if it were not installed
 module = sys.argv.pop(2)
 del sys.argv[1]
 runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -212,7 +212,7 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def test_without_torch_the_error_names_the_ways_out(tmp_path: Path) -> None:
-    python = python_without_torch(tmp_path)
+    python = python_without(tmp_path)
     out = subprocess.run(
         [*WATCHDOGD, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "true"],
         capture_output=True,
@@ -223,3 +223,14 @@ def test_without_torch_the_error_names_the_ways_out(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert f"{python} cannot import torch" in out.stderr
     assert "install torch there" in out.stderr and "--rdzv-backend etcd" in out.stderr
+
+
+def test_a_bad_rdzv_conf_value_is_a_usage_error_naming_the_key() -> None:
+    out = subprocess.run(
+        [*WATCHDOGD, "--rdzv-backend=c10d", "--rdzv-conf=join_timeout=soon", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert "--rdzv-conf" in out.stderr and "join_timeout" in out.stderr

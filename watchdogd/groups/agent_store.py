@@ -54,6 +54,9 @@ class AgentStore:
                     return cls(helper, port)
             except HelperError as e:
                 log.warning("the job's store stays with rank 0: %s", e)
+            except BaseException:
+                await helper.aclose()
+                raise
         await helper.aclose()
         return None
 

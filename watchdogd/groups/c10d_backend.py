@@ -102,7 +102,8 @@ class C10dBackend:
 
     @property
     def _where(self) -> str:
-        return f"c10d rendezvous {self.spec.rendezvous.run_id} at {self.endpoint or 'localhost'}"
+        endpoint = self.endpoint or "localhost:29400"  # torch's default
+        return f"c10d rendezvous {self.spec.rendezvous.run_id} at {endpoint}"
 
     def _no_torch(self, detail: str = "") -> str:
         return (

@@ -124,8 +124,8 @@ class StaticRendezvous:
         if self.store is not None and not await self.store.serving():
             # The workers wait for a store that will not come: start them
             # again, with rank 0 hosting it (not a failure of theirs).
-            await self.store.aclose()
-            self.store = None
+            store, self.store = self.store, None
+            await store.aclose()
             on_change("waiting")
         await anyio.sleep_forever()
 
