@@ -137,7 +137,7 @@ _RDZV_CONF = {
 }
 
 
-def _c10d_conf(value: str) -> dict[str, object]:
+def _c10d_conf(value: str) -> C10dConf:
     """``--rdzv-conf`` as torch's c10d backend reads it; keys torch ignores: dropped, said so."""
     conf = {}
     for item in filter(None, value.split(",")):
@@ -152,13 +152,11 @@ def _c10d_conf(value: str) -> dict[str, object]:
             "not read by torch's c10d backend, ignored",
             file=sys.stderr,
         )
+    read = {key: setting for key, setting in conf.items() if key not in ignored}
     try:
-        read = msgspec.convert(
-            {k: v for k, v in conf.items() if k not in ignored}, C10dConf, strict=False
-        )
+        return msgspec.convert(read, C10dConf, strict=False)  # "5" is 5, "true" is True
     except msgspec.ValidationError as e:
         raise ValueError(f"--rdzv-conf: {e}") from None
-    return msgspec.to_builtins(read)  # type: ignore[no-any-return]
 
 
 def _rendezvous(args: argparse.Namespace) -> dict[str, object]:
