@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 import msgspec
 
 __all__ = [
+    "C10dConf",
     "Failure",
     "GroupInfo",
     "GroupSpec",
@@ -53,16 +54,48 @@ class GroupState(enum.StrEnum):
     UNHEALTHY = "UNHEALTHY"
 
 
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class C10dConf(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``--rdzv-conf`` keys torch's c10d backend reads, handed to torch as they are.
+
+    Whole seconds, as torch parses them; None leaves torch's default (in brackets).
+    """
+
+    join_timeout: PositiveInt | None = None
+    """How long a round may take to complete [600]."""
+    last_call_timeout: NonNegative | None = None
+    """How long a round with ``min_nodes`` waits for more [30]."""
+    close_timeout: PositiveInt | None = None
+    """How long closing the rendezvous may take [30]."""
+    heartbeat_timeout: PositiveInt | None = None
+    """How long one keep-alive write may take [5]."""
+    keep_alive_interval: PositiveInt | None = None
+    """Seconds between a node's keep-alive heartbeats [5]."""
+    keep_alive_max_attempt: PositiveInt | None = None
+    """Heartbeats a node may miss before the others drop it [3]."""
+    read_timeout: PositiveInt | None = None
+    """How long one call to the rendezvous store may take, connecting included [60]."""
+    is_host: bool | None = None
+    """Whether this node hosts the rendezvous store [None: when the endpoint is this machine]."""
+    store_type: Literal["tcp", "file"] | None = None
+    """``file``: the endpoint is a path on a shared file system [tcp]."""
+
+
 class RendezvousSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How this node finds the others.
 
     ``static``: a fixed ``nnodes``, this node's ``node_rank``, rank 0's
     ``master_addr``/``master_port``. ``etcd``: between ``min_nodes`` (default
     ``nnodes``) and ``nnodes`` nodes meet on the etcd ``endpoints`` under
-    ``run_id``; ranks and the master are assigned per round.
+    ``run_id``; ranks and the master are assigned per round. ``c10d``:
+    torch's own rendezvous on the store at ``endpoints[0]`` (default
+    ``localhost:29400``), run by a helper process, so that torchrun and
+    ``watchdogd run`` nodes can share one job.
     """
 
-    backend: Literal["static", "etcd"] = "static"
+    backend: Literal["static", "etcd", "c10d"] = "static"
     nnodes: Annotated[int, msgspec.Meta(ge=1)] = 1
     node_rank: NonNegative = 0
     master_addr: str = "127.0.0.1"
@@ -70,22 +103,34 @@ class RendezvousSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """None: a free port on a single node, torch's 29500 across nodes."""
     run_id: str = "none"
     endpoints: list[str] = []
-    """etcd: ``HOST:PORT`` of each etcd member."""
+    """etcd: ``HOST:PORT`` of each etcd member; c10d: the store's ``HOST[:PORT]`` (or file)."""
     min_nodes: Annotated[int, msgspec.Meta(ge=1)] | None = None
     advertise_addr: str | None = None
-    """etcd: the address other nodes reach this one at (default: the route to etcd)."""
+    """etcd, c10d: the address other nodes reach this one at (torchrun's ``--local-addr``).
+
+    Default: etcd, the route to etcd; c10d, this machine's FQDN (torch's choice).
+    """
     lease_ttl: Annotated[int, msgspec.Meta(ge=2)] = 10
     """etcd: seconds after which a dead or cut-off node counts as lost."""
     last_call: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     """etcd: how long a round with enough nodes waits for more."""
     join_timeout: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     """etcd: how long to wait for ``min_nodes`` before failing."""
+    c10d: C10dConf = msgspec.field(default_factory=C10dConf)
+    """c10d: torch's settings (its join, last-call and other timeouts are these)."""
+    monitor_interval: Seconds = 0.1
+    """c10d: how often this node asks torch for nodes waiting to join (torchrun's)."""
+    python: str | None = None
+    """The workers' interpreter, which runs the torch helper: the c10d agent, and
+    the static job's store (None: the daemon's own, as for ``watchdogd run SCRIPT``)."""
 
     def __post_init__(self) -> None:
         if self.backend == "static" and self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
         if self.backend == "etcd" and not self.endpoints:
             raise ValueError("the etcd backend needs endpoints (HOST:PORT of etcd)")
+        if self.backend == "c10d" and len(self.endpoints) > 1:
+            raise ValueError("the c10d backend takes one endpoint, the store's HOST[:PORT]")
         if self.min_nodes is not None and self.min_nodes > self.nnodes:
             raise ValueError(f"min_nodes {self.min_nodes} is above nnodes {self.nnodes}")
 

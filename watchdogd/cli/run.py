@@ -35,7 +35,7 @@ from watchdogd.daemon import Daemon
 from watchdogd.groups.supervisor import GroupRunner, visible_gpus
 from watchdogd.linux import aio as _aio
 from watchdogd.linux.plugins import PluginError, load_entry_point
-from watchdogd_client.groups import GroupSpec, GroupState
+from watchdogd_client.groups import C10dConf, GroupSpec, GroupState
 
 __all__ = ["add_run_arguments", "run", "spec_from_args"]
 
@@ -70,11 +70,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--master-addr", default="127.0.0.1", help="rank 0's address")
     _flag(parser, "--master-port", type=int, default=None, help="rank 0's port (default: free)")
     _flag(parser, "--max-restarts", type=int, default=0, help="restarts before failing")
-    _flag(parser, "--rdzv-backend", default="static", help="static, or etcd (v3 API)")
-    _flag(parser, "--rdzv-endpoint", default="", help="static: the master; etcd: HOST:PORT,…")
+    _flag(parser, "--rdzv-backend", default="static", help="static, c10d (torch's), or etcd (v3)")
+    _flag(parser, "--rdzv-endpoint", default="",
+          help="static: the master; c10d: the store's HOST[:29400]; etcd: HOST:PORT,…")  # fmt: skip
     _flag(parser, "--rdzv-id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
-    _flag(parser, "--rdzv-conf", default="", help="etcd: join_timeout=…,last_call_timeout=…")
-    _flag(parser, "--local-addr", default=None, help="etcd: this node's address for the others")
+    _flag(parser, "--rdzv-conf", default="", help="join_timeout=…,last_call_timeout=…,…")
+    _flag(parser, "--local-addr", default=None, help="c10d, etcd: this node's address for others")
     _flag(parser, "--standalone", action="store_true", help="single node, free port")
     _flag(parser, "--role", default="default", help="worker role name")
     _flag(parser, "--log-dir", default=None, help="per-attempt, per-rank logs go here")
@@ -105,7 +106,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--module", "-m", action="store_true", help="run SCRIPT as python -m")
     _flag(parser, "--run-path", action="store_true", help="run SCRIPT as a path (the default)")
     _flag(parser, "--monitor-interval", type=float, default=0.1,
-          help="accepted for compatibility: exits are seen at once")  # fmt: skip
+          help="c10d: seconds between checks for waiting nodes (exits: at once)")  # fmt: skip
     _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
     _flag(parser, "--logs-specs", default=None, metavar="NAME",
           help="torch's 'default' (watchdogd's own layout); others are looked up in "
@@ -149,9 +150,10 @@ def _entrypoint(args: argparse.Namespace) -> list[str]:
         )
     if args.no_python:
         return [script, *rest]
+    python = os.environ.get("PYTHON_EXEC", sys.executable)  # torchrun's choice
     if args.module:
-        return [sys.executable, "-u", "-m", script, *rest]
-    return [sys.executable, "-u", script, *rest]
+        return [python, "-u", "-m", script, *rest]
+    return [python, "-u", script, *rest]
 
 
 def handled_signals(value: str) -> list[signal.Signals]:
@@ -206,13 +208,50 @@ _RDZV_CONF = {
 }
 
 
+def _c10d_conf(value: str) -> C10dConf:
+    """``--rdzv-conf`` as torch's c10d backend reads it; keys torch ignores: dropped, said so."""
+    conf = {}
+    for item in filter(None, value.split(",")):
+        key, equals, setting = item.partition("=")
+        if not equals:
+            raise ValueError(f"--rdzv-conf {item!r}: expected KEY=VALUE")
+        conf[key] = setting
+    ignored = [key for key in conf if key not in C10dConf.__struct_fields__]
+    if ignored:
+        print(
+            f"watchdogd run: warning: --rdzv-conf {', '.join(ignored)}: "
+            "not read by torch's c10d backend, ignored",
+            file=sys.stderr,
+        )
+    read = {key: setting for key, setting in conf.items() if key not in ignored}
+    try:
+        return msgspec.convert(read, C10dConf, strict=False)  # "5" is 5, "true" is True
+    except msgspec.ValidationError as e:
+        raise ValueError(f"--rdzv-conf: {e}") from None
+
+
 def _rendezvous(args: argparse.Namespace) -> dict[str, object]:
     """``--rdzv-*``, ``--nnodes`` and friends, as a RendezvousSpec table."""
     low, _, high = args.nnodes.partition(":")
     if not low.isdigit() or (high and not high.isdigit()):
         raise ValueError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX")
     min_nodes, max_nodes = int(low), int(high or low)
-    backend = args.rdzv_backend
+    # torchrun's --standalone is c10d on a store of its own; one node needs no
+    # store to meet on: static, on a free port (its own store, as torchrun's).
+    backend = "static" if args.standalone else args.rdzv_backend
+    python = os.environ.get("PYTHON_EXEC")
+    if backend == "c10d":
+        return {
+            "backend": "c10d",
+            "endpoints": [args.rdzv_endpoint] if args.rdzv_endpoint else [],
+            "nnodes": max_nodes,
+            "min_nodes": min_nodes,
+            "run_id": args.rdzv_id,
+            "advertise_addr": args.local_addr,
+            "c10d": _c10d_conf(args.rdzv_conf),
+            "monitor_interval": args.monitor_interval,
+            "python": python,
+        }
     if backend in ("etcd", "etcd-v2", "etcd-v3"):
         if not args.rdzv_endpoint:
             raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT…]")
@@ -231,7 +270,7 @@ def _rendezvous(args: argparse.Namespace) -> dict[str, object]:
             table[_RDZV_CONF[key]] = float(value) if "." in value else int(value)
         return table
     if backend != "static":
-        raise ValueError(f"--rdzv-backend {backend!r}: use static or etcd")
+        raise ValueError(f"--rdzv-backend {backend!r}: use static, c10d or etcd")
     if min_nodes != max_nodes:
         raise ValueError(f"--nnodes {args.nnodes!r}: the static backend needs a fixed count")
     master_addr, master_port = args.master_addr, args.master_port
@@ -244,6 +283,7 @@ def _rendezvous(args: argparse.Namespace) -> dict[str, object]:
         "master_addr": master_addr,
         "master_port": master_port,
         "run_id": args.rdzv_id,
+        "python": python,
     }
 
 

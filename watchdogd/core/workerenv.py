@@ -40,6 +40,32 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     master_addr: str
     master_port: int
     run_id: str
+    first_rank: int | None = None
+    """``RANK`` of local rank 0; None: ``group_rank * nproc`` (every node runs nproc)."""
+    world_size: int | None = None
+    """``WORLD_SIZE``; None: ``group_world_size * nproc``."""
+    role_first_rank: int | None = None
+    """``ROLE_RANK`` of local rank 0; None: as ``RANK`` (one role)."""
+    role_world_size: int | None = None
+    """``ROLE_WORLD_SIZE``; None: as ``WORLD_SIZE``."""
+    use_agent_store: bool = False
+    """``TORCHELASTIC_USE_AGENT_STORE``: a process outside the ranks serves the
+    store on ``MASTER_PORT``, so every rank is its client."""
+
+    def rank(self, local_rank: int, nproc: int) -> int:
+        first = self.group_rank * nproc if self.first_rank is None else self.first_rank
+        return first + local_rank
+
+    def world(self, nproc: int) -> int:
+        return self.group_world_size * nproc if self.world_size is None else self.world_size
+
+    def role_rank(self, local_rank: int, nproc: int) -> int:
+        if self.role_first_rank is None:
+            return self.rank(local_rank, nproc)
+        return self.role_first_rank + local_rank
+
+    def role_world(self, nproc: int) -> int:
+        return self.world(nproc) if self.role_world_size is None else self.role_world_size
 
 
 class StreamRoute(msgspec.Struct, frozen=True):
@@ -198,8 +224,8 @@ def worker_env(
     error_path: Path,
 ) -> dict[str, str]:
     """The full environment of one worker: ``base`` (the daemon's), the spec's, torchrun's."""
-    rank = placement.group_rank * spec.nproc + local_rank
-    world_size = placement.group_world_size * spec.nproc
+    rank = placement.rank(local_rank, spec.nproc)
+    world_size = placement.world(spec.nproc)
     env = {**base, **spec.env}
     env.update(
         {
@@ -207,8 +233,8 @@ def worker_env(
             "RANK": str(rank),
             "GROUP_RANK": str(placement.group_rank),
             "GROUP_WORLD_SIZE": str(placement.group_world_size),
-            "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(world_size),
+            "ROLE_RANK": str(placement.role_rank(local_rank, spec.nproc)),
+            "ROLE_WORLD_SIZE": str(placement.role_world(spec.nproc)),
             "ROLE_NAME": spec.role,
             "LOCAL_WORLD_SIZE": str(spec.nproc),
             "WORLD_SIZE": str(world_size),
@@ -217,7 +243,7 @@ def worker_env(
             "TORCHELASTIC_RUN_ID": placement.run_id,
             "TORCHELASTIC_RESTART_COUNT": str(restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_USE_AGENT_STORE": str(placement.use_agent_store),
             "TORCHELASTIC_ERROR_FILE": str(error_path),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "WATCHDOGD_SOCKET": socket_path,

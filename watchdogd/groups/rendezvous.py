@@ -6,13 +6,18 @@ holds a ``RendezvousHandler``):
 
 - ``static`` (:class:`StaticRendezvous`, the embedded default): fixed nodes,
   this node's rank and the master from the spec; nothing crosses nodes, so
-  restarts are the node-local machine's own;
+  restarts are the node-local machine's own. Node rank 0 hosts the job's
+  store on the master port (:class:`~watchdogd.groups.agent_store.AgentStore`)
+  when the workers' interpreter has torch, as torchrun's agent does;
 - ``etcd`` (:class:`~watchdogd.groups.etcd_backend.EtcdBackend`): elastic
   between min and max nodes on a real etcd, restarts counted job-wide,
-  membership changes restart the group, an exit barrier at the end.
+  membership changes restart the group, an exit barrier at the end;
+- ``c10d`` (:class:`~watchdogd.groups.c10d_backend.C10dBackend`): torch's
+  own rendezvous, run by a torch helper process, so that torchrun's nodes
+  and ours form one job; restarts counted per node, as torch's agents do.
 
-The etcd backend (and its gRPC client) is imported only when a spec asks
-for it.
+The etcd and c10d backends (and their clients) are imported only when a
+spec asks for them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import anyio
 
 from watchdogd.core.rdzv_state import Change
 from watchdogd.core.workerenv import Placement
+from watchdogd.groups.agent_store import AgentStore
 from watchdogd.linux.net import free_port
 from watchdogd_client.events import RdzvEvent
 from watchdogd_client.groups import GroupSpec, GroupState, RendezvousInfo
@@ -76,32 +82,51 @@ class Rendezvous(Protocol):
 
 
 class StaticRendezvous:
-    """Fixed nodes: the placement comes from the spec, once."""
+    """Fixed nodes: the placement comes from the spec; node rank 0 hosts the job's store."""
 
     def __init__(self, spec: GroupSpec) -> None:
+        self.spec = spec
         rdzv = spec.rendezvous
-        port = rdzv.master_port
-        if port is None:
-            port = free_port(rdzv.master_addr) if rdzv.nnodes == 1 else _TORCH_DEFAULT_PORT
-        self.placement = Placement(
-            group_rank=rdzv.node_rank,
-            group_world_size=rdzv.nnodes,
-            master_addr=rdzv.master_addr,
-            master_port=port,
-            run_id=rdzv.run_id,
-        )
+        if rdzv.master_port is not None:
+            self.port = rdzv.master_port
+        else:
+            self.port = 0 if rdzv.nnodes == 1 else _TORCH_DEFAULT_PORT  # 0: a free one
+        self.store: AgentStore | None = None
         self.local_restarts = spec.max_restarts
 
     async def __aenter__(self) -> Self:
+        rdzv = self.spec.rendezvous
+        if rdzv.node_rank == 0:
+            self.store = await AgentStore.start(rdzv.python, self.port)
+        if self.store is not None:
+            self.port = self.store.port
+        elif self.port == 0:
+            self.port = free_port(rdzv.master_addr)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        return None
+        if self.store is not None:
+            await self.store.aclose()
 
     async def next_round(self, restart_count: int) -> tuple[Placement, int]:
-        return self.placement, restart_count
+        rdzv = self.spec.rendezvous
+        placement = Placement(
+            group_rank=rdzv.node_rank,
+            group_world_size=rdzv.nnodes,
+            master_addr=rdzv.master_addr,
+            master_port=self.port,
+            run_id=rdzv.run_id,
+            use_agent_store=self.store is not None,
+        )
+        return placement, restart_count
 
     async def watch(self, on_change: Callable[[Change], None]) -> None:
+        if self.store is not None and not await self.store.serving():
+            # The workers wait for a store that will not come: start them
+            # again, with rank 0 hosting it (not a failure of theirs).
+            store, self.store = self.store, None
+            await store.aclose()
+            on_change("waiting")
         await anyio.sleep_forever()
 
     async def finish(self, state: GroupState) -> None:
@@ -120,4 +145,8 @@ def open_rendezvous(spec: GroupSpec, on_event: Callable[[RdzvEvent], None]) -> R
         from watchdogd.groups.etcd_backend import EtcdBackend
 
         return EtcdBackend(spec, on_event)
+    if spec.rendezvous.backend == "c10d":
+        from watchdogd.groups.c10d_backend import C10dBackend
+
+        return C10dBackend(spec, on_event)
     return StaticRendezvous(spec)

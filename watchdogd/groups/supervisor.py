@@ -444,7 +444,7 @@ class GroupRunner:
         base = dict(os.environ)
         directory = attempt_dir(self.spec, attempt)
         for local_rank in range(self.spec.nproc):
-            rank = placement.group_rank * self.spec.nproc + local_rank
+            rank = placement.rank(local_rank, self.spec.nproc)
             rank_dir = directory / str(local_rank) if directory is not None else None
             error_path = self.run_dir / f"attempt_{attempt}" / str(local_rank) / "error.json"
             error_path.parent.mkdir(parents=True, exist_ok=True)  # rank_dir, if there are logs

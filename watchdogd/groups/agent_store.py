@@ -1,0 +1,73 @@
+"""The job's store on ``MASTER_PORT``, hosted outside the ranks (torchrun's agent store).
+
+Without it, rank 0's ``init_process_group`` hosts the ``TCPStore`` that
+every rank uses, and the store dies with rank 0 — often before the others
+are done with it. torchrun's agent hosts it instead and tells the workers
+so (``TORCHELASTIC_USE_AGENT_STORE=True``: every rank is a client).
+
+Here a torch helper hosts it, run with the workers' interpreter (which has
+torch whenever the workers use ``torch.distributed``):
+
+- the daemon binds the port itself, at once, and hands the socket over, so
+  the port is known (and taken) before any worker starts; the workers do
+  not wait for torch's import: their clients retry until the store listens;
+- no torch in that interpreter, or the port taken: no agent store, and
+  ``TORCHELASTIC_USE_AGENT_STORE=False`` (rank 0 hosts, as before);
+- the helper failing later (a broken torch) is reported by :meth:`serving`,
+  so that the attempt can be started again without it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from watchdogd.groups.helper_process import HelperError, TorchHelper
+from watchdogd.groups.torch_wire import Hosting, HostStore
+from watchdogd.linux.net import bind_any
+
+__all__ = ["AgentStore"]
+
+log = logging.getLogger("watchdogd.rendezvous")
+
+
+class AgentStore:
+    def __init__(self, helper: TorchHelper, port: int) -> None:
+        self.helper = helper
+        self.port = port
+
+    @classmethod
+    async def start(cls, python: str | None, port: int) -> AgentStore | None:
+        """Host the store on ``port`` (0: a free one); None when it cannot be done here."""
+        try:
+            sock = bind_any(port)
+        except OSError as e:
+            log.warning("port %d: %s; the job's store stays with rank 0", port, e.strerror)
+            return None
+        # The helper holds its own copy of the socket from its first instant.
+        with sock:
+            port = sock.getsockname()[1]
+            helper = TorchHelper(python, pass_fds=[sock.fileno()])
+            try:
+                ready = await helper.start()
+                if ready.torch:
+                    await helper.send(HostStore(fd=sock.fileno(), port=port))
+                    return cls(helper, port)
+            except HelperError as e:
+                log.warning("the job's store stays with rank 0: %s", e)
+            except BaseException:
+                await helper.aclose()
+                raise
+        await helper.aclose()
+        return None
+
+    async def serving(self) -> bool:
+        """Wait for the store to serve: False (reported) when the helper could not."""
+        try:
+            await self.helper.receive(Hosting)
+        except HelperError as e:
+            log.warning("the job's store could not start; it goes to rank 0: %s", e)
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        await self.helper.aclose()

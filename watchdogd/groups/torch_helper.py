@@ -1,0 +1,223 @@
+"""The torch helper: torch's own agent code, in a process of its own.
+
+Run as ``PYTHON -m watchdogd.groups.torch_helper`` by the daemon, with the
+workers' interpreter: torch's rendezvous calls block, torch is a large
+import, and its threads would hold the daemon's GIL — so none of it runs in
+the daemon. It answers the requests of :mod:`watchdogd.groups.torch_wire`,
+one at a time, blocking as torch's agent does:
+
+- ``HostStore``: serve the job's ``TCPStore`` on the socket the daemon
+  bound (torchrun's agent store, ``TORCHELASTIC_USE_AGENT_STORE=True``), so
+  the store outlives every rank;
+- ``Open`` / ``NextRound`` / ``Poll`` / ``Finish``: the c10d rendezvous,
+  through the handler torch's registry builds for torchrun's flags and a
+  ``LocalElasticAgent`` whose ``_rendezvous`` and ``_exit_barrier`` are the
+  ones torchrun runs — role and rank assignment, the master address and
+  port, the store rank 0's agent hosts for the workers, the exit barrier —
+  so a torchrun node and this one share one job. The agent never starts a
+  worker: the daemon does.
+
+It needs msgspec and torch; it imports torch only when asked to use it,
+and dies with the daemon (the kernel's parent-death signal). Its stdout is
+stderr from the start, so nothing torch prints can break a reply frame.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from watchdogd.groups.torch_wire import (
+    MAX_FRAME,
+    Done,
+    Failed,
+    Finish,
+    Hosting,
+    HostStore,
+    NextRound,
+    Open,
+    Opened,
+    Poll,
+    Polled,
+    Ready,
+    Reply,
+    Request,
+    Round,
+)
+from watchdogd.linux.parent import die_with_parent
+from watchdogd_client.framing import FrameSplitter, frame
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Request)
+
+
+def _describe(error: BaseException) -> str:
+    """The error and its causes: torch's say "see inner exception" and the inner one says why."""
+    parts = []
+    seen: BaseException | None = error
+    while seen is not None:
+        parts.append(f"{type(seen).__name__}: {seen}" if str(seen) else type(seen).__name__)
+        seen = seen.__cause__
+    return " <- ".join(parts)
+
+
+def _failure(error: Exception) -> Failed:
+    if isinstance(error, ImportError):
+        return Failed(kind="torch", message=_describe(error))
+    from torch.distributed.elastic.rendezvous import api
+
+    kind: Any = "error"
+    if isinstance(error, api.RendezvousClosedError | api.RendezvousGracefulExitError):
+        kind = "closed"
+    elif isinstance(error, api.RendezvousTimeoutError):
+        kind = "timeout"
+    elif isinstance(error, api.RendezvousConnectionError):
+        kind = "connection"
+    return Failed(kind=kind, message=_describe(error))
+
+
+class _Helper:
+    def __init__(self) -> None:
+        self.store: Any = None
+        self.agent: Any = None
+        self.members: set[Any] = set()
+
+    def handle(self, request: Request) -> Reply:
+        try:
+            match request:
+                case HostStore():
+                    return self.host_store(request)
+                case Open():
+                    return self.open(request)
+                case NextRound(restart_count=restart_count):
+                    return self.next_round(restart_count)
+                case Poll():
+                    return self.poll()
+                case Finish(barrier=barrier):
+                    return self.finish(barrier)
+        except Exception as e:
+            return _failure(e)
+
+    def host_store(self, request: HostStore) -> Hosting:
+        import torch.distributed as dist
+
+        # The daemon bound the socket (workers may already be knocking): torch
+        # listens on it. Its own client reaches it over loopback.
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            request.port,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=request.fd,
+        )
+        return Hosting(port=self.store.port)
+
+    def open(self, request: Open) -> Opened:
+        from torch.distributed.elastic.agent.server.api import WorkerSpec
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=request.endpoint,
+            run_id=request.run_id,
+            min_nodes=request.min_nodes,
+            max_nodes=request.max_nodes,
+            local_addr=request.local_addr,
+            **request.conf,
+        )
+        spec = WorkerSpec(
+            role=request.role,
+            local_world_size=request.nproc,
+            rdzv_handler=get_rendezvous_handler(params),
+            entrypoint=request.entrypoint,
+            max_restarts=request.max_restarts,
+            monitor_interval=request.monitor_interval,
+            local_addr=request.local_addr,
+        )
+        self.agent = LocalElasticAgent(
+            spec,
+            DefaultLogsSpecs(log_dir=os.devnull),  # the daemon keeps the logs
+            exit_barrier_timeout=request.exit_barrier_timeout,
+        )
+        return Opened()
+
+    @property
+    def _state(self) -> Any:
+        # The round and its members: torch's handler keeps them in its state
+        # holder and offers no public accessor.
+        return self.agent.get_worker_group().spec.rdzv_handler._state_holder.state
+
+    def next_round(self, restart_count: int) -> Round:
+        group = self.agent.get_worker_group()
+        # torch counts restarts per agent: its log of the round says this one.
+        self.agent._remaining_restarts = group.spec.max_restarts - restart_count
+        self.agent._rendezvous(group)
+        state = self._state
+        self.members = set(state.participants)
+        first = group.workers[0]
+        return Round(
+            round=state.round,
+            group_rank=group.group_rank,
+            group_world_size=group.group_world_size,
+            master_addr=group.master_addr,
+            master_port=group.master_port,
+            first_rank=first.global_rank,
+            world_size=first.world_size,
+            role_first_rank=first.role_rank,
+            role_world_size=first.role_world_size,
+            use_agent_store=group.spec.rdzv_handler.use_agent_store,
+        )
+
+    def poll(self) -> Polled:
+        handler = self.agent.get_worker_group().spec.rdzv_handler
+        waiting = handler.num_nodes_waiting()  # syncs the state and drops the dead
+        state = self._state
+        present = set(state.participants) | state.wait_list | state.redundancy_list
+        return Polled(
+            waiting=waiting,
+            closed=state.closed,
+            missing=sorted(str(node) for node in self.members - present),
+        )
+
+    def finish(self, barrier: bool) -> Done:
+        started = time.monotonic()
+        if barrier:
+            self.agent._exit_barrier()  # torch's: logs a timeout, never raises one
+        waited = time.monotonic() - started
+        self.agent.get_worker_group().spec.rdzv_handler.shutdown()
+        return Done(waited=waited)
+
+
+def _send(fd: int, reply: Reply) -> None:
+    data = frame(_encoder.encode(reply))
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def main() -> None:
+    die_with_parent(int(sys.argv[1]))
+    requests, replies = os.dup(0), os.dup(1)
+    os.dup2(2, 1)
+    nothing = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(nothing, 0)
+    os.close(nothing)
+    has_torch = importlib.util.find_spec("torch") is not None
+    _send(replies, Ready(torch=has_torch, python=sys.executable))
+    helper = _Helper()
+    splitter = FrameSplitter(MAX_FRAME)
+    while chunk := os.read(requests, 65536):
+        for payload in splitter.feed(chunk):
+            _send(replies, helper.handle(_decoder.decode(payload)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""What the daemon and its torch helper say to each other. Pure: messages only.
+
+The helper (:mod:`watchdogd.groups.torch_helper`) runs torch's own code in a
+process of its own; the daemon (:mod:`watchdogd.groups.helper_process`)
+speaks to it over the helper's stdin (requests) and stdout (replies), in
+frames (``watchdogd_client.framing``) of msgpack-encoded tagged Structs.
+
+The helper speaks first, unasked: :class:`Ready`. After that each request
+gets exactly one reply, in order: the one its docstring names, or
+:class:`Failed`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = [
+    "MAX_FRAME",
+    "Done",
+    "Failed",
+    "Finish",
+    "HostStore",
+    "Hosting",
+    "NextRound",
+    "Open",
+    "Opened",
+    "Poll",
+    "Polled",
+    "Ready",
+    "Reply",
+    "Request",
+    "Round",
+]
+
+MAX_FRAME = 1 << 20
+
+
+# -- requests ------------------------------------------------------------------
+
+
+class HostStore(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Serve the job's store (a ``TCPStore``) on ``fd``, a socket the daemon bound to
+    ``port`` and handed over; replies :class:`Hosting` once it serves."""
+
+    fd: int
+    port: int
+
+
+class Open(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Create torch's c10d rendezvous handler and agent, as torchrun would for these
+    flags (connecting to, or hosting, the rendezvous store); replies :class:`Opened`."""
+
+    endpoint: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None
+    conf: dict[str, str]
+    """``--rdzv-conf`` as torch parses it: strings."""
+    role: str
+    nproc: int
+    max_restarts: int
+    monitor_interval: float
+    entrypoint: str
+    exit_barrier_timeout: float
+
+
+class NextRound(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """The agent's rendezvous: the next round, then ranks; replies :class:`Round`."""
+
+    restart_count: int
+
+
+class Poll(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """What the agent checks while its workers run; replies :class:`Polled`."""
+
+
+class Finish(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """The group is done: wait at the exit barrier if it succeeded, then shut the
+    rendezvous down (closing it), as torch's agent ends; replies :class:`Done`."""
+
+    barrier: bool
+
+
+Request = HostStore | Open | NextRound | Poll | Finish
+
+
+# -- replies -------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """The helper runs; ``torch``: whether its interpreter can import torch."""
+
+    torch: bool
+    python: str
+
+
+class Hosting(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    port: int
+
+
+class Opened(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    pass
+
+
+class Round(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """This node's place in a complete round, as torch's agent assigned it."""
+
+    round: int
+    group_rank: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+    first_rank: int
+    world_size: int
+    role_first_rank: int
+    role_world_size: int
+    use_agent_store: bool
+
+
+class Polled(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    waiting: int
+    """torch's ``num_nodes_waiting()``: nodes queued for the next round."""
+    closed: bool
+    missing: list[str]
+    """Members of this node's round no longer in the rendezvous in any role."""
+
+
+class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    waited: float
+    """Seconds spent at the exit barrier."""
+
+
+class Failed(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """A request failed: ``kind`` sorts torch's exception, ``message`` says what happened."""
+
+    kind: Literal["closed", "timeout", "connection", "torch", "error"]
+    message: str
+
+
+Reply = Ready | Hosting | Opened | Round | Polled | Done | Failed
