@@ -35,7 +35,8 @@ import msgspec
 from watchdogd import __version__
 from watchdogd.core.config import Config
 from watchdogd.core.ports import GroupError
-from watchdogd.groups.supervisor import Endpoints, Supervisor
+from watchdogd.groups.runner import Endpoints
+from watchdogd.groups.supervisor import Supervisor
 from watchdogd.linux import aio
 from watchdogd.linux.endpoints import (
     EndpointError,

@@ -32,7 +32,7 @@ from watchdogd.core.numa import AFFINITY_MODES
 from watchdogd.core.ports import GroupError
 from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd.daemon import Daemon
-from watchdogd.groups.supervisor import GroupRunner, visible_gpus
+from watchdogd.groups.runner import GroupRunner, visible_gpus
 from watchdogd.linux import aio as _aio
 from watchdogd.linux.plugins import PluginError, load_entry_point
 from watchdogd_client.groups import C10dConf, GroupSpec, GroupState

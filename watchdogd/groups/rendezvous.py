@@ -1,6 +1,6 @@
 """How a worker group learns its place in the job: one interface, one class per backend.
 
-A :class:`GroupRunner <watchdogd.groups.supervisor.GroupRunner>` holds a
+A :class:`GroupRunner <watchdogd.groups.runner.GroupRunner>` holds a
 :class:`Rendezvous` and never asks which backend it is (as torch's agent
 holds a ``RendezvousHandler``):
 
