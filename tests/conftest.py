@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -151,3 +153,36 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
 
 async def exit_code(proc: subprocess.Popen[str], timeout: float = 15.0) -> int:
     return await anyio.to_thread.run_sync(partial(proc.wait, timeout))
+
+
+def watchdogd_run(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``watchdogd run ARGS`` to its end, its output captured."""
+    return subprocess.run(
+        ["watchdogd", "run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def children(pid: int) -> list[int]:
+    """The children of process ``pid``, from every one of its threads."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def kill_nodes(started: list[subprocess.Popen[str]]) -> None:
+    """Kill the launchers a test left running (it failed midway, or cut a node off),
+    and their workers with them."""
+    while started:
+        with started.pop() as proc:
+            workers = children(proc.pid) if proc.poll() is None else []
+            proc.kill()
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

@@ -19,20 +19,9 @@ import watchdogd_client as wd
 from watchdogd_client.groups import GroupSpec, GroupState
 
 from ..conftest import REPO, running_daemon, wait_for, wait_until
+from ..conftest import watchdogd_run as run
 
 TRAINER = str(REPO / "examples/trainer.py")
-
-
-def run(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["watchdogd", "run", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def script(tmp_path: Path, code: str) -> str:

@@ -8,7 +8,6 @@ torch's timeouts are cut to seconds (its defaults are minutes).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -22,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import wait_until
-from .test_multinode import children
+from ..conftest import children, kill_nodes, wait_until
 
 pytest.importorskip("torch")
 
@@ -66,13 +64,7 @@ _started: list[subprocess.Popen[str]] = []
 @pytest.fixture(autouse=True)
 def _kill_nodes() -> Iterator[None]:
     yield
-    while _started:
-        with _started.pop() as proc:
-            workers = children(proc.pid) if proc.poll() is None else []
-            proc.kill()
-            for pid in workers:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+    kill_nodes(_started)
 
 
 class Job:

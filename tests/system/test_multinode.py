@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import pytest
 
-from ..conftest import wait_until
+from ..conftest import children, kill_nodes, wait_until
 from ..etcd import EtcdServer, running_etcd
 
 WORKER = """
@@ -42,15 +42,8 @@ _started: list[subprocess.Popen[str]] = []
 
 @pytest.fixture(autouse=True)
 def _kill_nodes() -> Iterator[None]:
-    """Whatever a test left running (it failed midway, or cut a node off) goes with it."""
     yield
-    while _started:
-        with _started.pop() as proc:
-            workers = children(proc.pid) if proc.poll() is None else []
-            proc.kill()
-            for pid in workers:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+    kill_nodes(_started)
 
 
 def node(
@@ -167,13 +160,6 @@ def test_a_lost_node_makes_the_others_re_form_smaller(etcd: EtcdServer, tmp_path
     at_two = [r for r in reports(tmp_path) if r["WORLD_SIZE"] == "2"]
     assert sorted(int(r["RANK"]) for r in at_two) == [0, 1]
     assert {r["TORCHELASTIC_RESTART_COUNT"] for r in at_two} == {"1"}  # a counted restart
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
-    return found
 
 
 class Subnet(NamedTuple):

@@ -20,18 +20,7 @@ import pytest
 from watchdogd.cli.run import add_run_arguments
 
 from ..conftest import wait_until
-
-
-def run(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["watchdogd", "run", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+from ..conftest import watchdogd_run as run
 
 
 def script(tmp_path: Path, code: str, name: str = "worker.py") -> str:
