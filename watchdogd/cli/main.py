@@ -127,12 +127,14 @@ def _serve(config: Config, args: argparse.Namespace) -> int:
             await tg.start(
                 partial(daemon.serve, shutdown_trigger=partial(_until_stopped, daemon, args))
             )
-            print(
+            # One write, newline included: the log thread writes to the same
+            # terminal and must not land inside the banner.
+            sys.stdout.write(
                 f"watchdogd {__version__} (pid {os.getpid()}) serving\n"
                 f"  socket: {daemon.socket_path}   (WATCHDOGD_SOCKET)\n"
-                f"  fifo:   {daemon.fifo_path}   (TORCHELASTIC_TIMER_FILE)",
-                flush=True,
+                f"  fifo:   {daemon.fifo_path}   (TORCHELASTIC_TIMER_FILE)\n"
             )
+            sys.stdout.flush()
 
     _aio.run(run)
     return EXIT_OK
