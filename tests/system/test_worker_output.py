@@ -24,7 +24,7 @@ import anyio
 import pytest
 
 from watchdogd.core.workerenv import StreamRoute
-from watchdogd.groups.worker_logs import ConsoleWriter, StreamCopier
+from watchdogd.groups.worker_logs import MAX_LINE, ConsoleWriter, StreamCopier
 
 from ..conftest import wait_for, wait_until
 
@@ -206,3 +206,40 @@ async def test_close_keeps_the_last_unterminated_line_on_the_console_and_in_file
     assert await anyio.to_thread.run_sync(console.flush, 10)
     os.close(w)
     assert _read_to_eof(r) == b"[p]:one\n[p]:keep two\n[p]:keep partial\n"
+
+
+@pytest.mark.anyio
+async def test_a_line_that_never_ends_is_shown_in_bounded_pieces(tmp_path: Path) -> None:
+    # A progress bar drawn with \r never writes \n: held whole, the line would
+    # grow without bound and be copied again on every read, on the loop.
+    r, w = os.pipe()
+    console = ConsoleWriter(w)
+    size = 5 * MAX_LINE + 123
+    proc, fd = _worker(
+        f"""
+        import sys
+        for _ in range({size} // 1000):
+            sys.stdout.write("\\r" + "x" * 999)
+        sys.stdout.write("y" * ({size} % 1000) + "\\n")
+        """
+    )
+    with proc:
+        route = StreamRoute("stdout", True, "prefixed", ())
+        copier = StreamCopier(fd, route, tmp_path, b"[p]:", console)
+        with anyio.fail_after(30):
+            await copier.done.wait()
+    assert (tmp_path / "stdout.log").stat().st_size == size + 1  # the file: every byte, as is
+    output: list[bytes] = []
+
+    async def read() -> None:
+        output.append(await anyio.to_thread.run_sync(_read_to_eof, r))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        assert await anyio.to_thread.run_sync(console.flush, 10)
+        os.close(w)
+    shown = output[0].split(b"\n")[:-1]
+    assert len(shown) >= 3 and all(line.startswith(b"[p]:") for line in shown)
+    # A piece is what was held (under MAX_LINE) plus one read (at most as much).
+    assert all(len(line) <= len(b"[p]:") + 2 * MAX_LINE for line in shown)
+    assert sum(len(line) - len(b"[p]:") for line in shown) == size

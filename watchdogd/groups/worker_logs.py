@@ -67,6 +67,10 @@ log = logging.getLogger("watchdogd.worker_logs")
 CONSOLE_BUFFER = 1 << 20
 FILE_BACKLOG = 1 << 20
 _READ = 1 << 16
+# The longest line the console and the filters get whole: a line that never
+# ends (a progress bar redrawn with \r) is passed on in pieces of this size,
+# so what the loop holds and copies per read stays bounded.
+MAX_LINE = 1 << 16
 # What a pipe can still hold once its worker is gone (the kernel's default pipe-max-size).
 _PIPE_MAX = 1 << 20
 
@@ -211,6 +215,9 @@ class StreamCopier:
             return
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
+        if len(self.partial) >= MAX_LINE:
+            lines.append(self.partial)
+            self.partial = b""
         if self._copy(data, lines) >= self._limit:
             with self._cond:
                 self.paused = True
