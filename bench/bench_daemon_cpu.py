@@ -35,7 +35,7 @@ async def measure(rounds: int, runtime: str, target: subprocess.Popen[bytes]) ->
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
         await tg.start(partial(daemon.serve, shutdown_trigger=stop.wait))
-        session = Session(daemon.socket_front.ports, Peer(target.pid, 0, 0, True, None))
+        session = Session(daemon.socket_front.ports, Peer(target.pid, 0, True, None))
         session.greeted = True
         encode = msgspec.msgpack.encode
         expiration = time.time() + 3600

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from .test_c10d import free_port, python_without
+from watchdogd.linux.net import free_port
+
+from .test_c10d import python_without
 
 WORKER = """
 import datetime, os, sys, time
@@ -47,7 +49,7 @@ def test_tcp_init_on_master_port_with_the_store_outliving_rank_0(tmp_path: Path)
     pytest.importorskip("torch")
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    port = free_port()
+    port = free_port("127.0.0.1")
     for _ in range(3):  # the same port, again and again, as a job's restarts would
         flags = ["--nproc-per-node=4", "--master-addr=localhost", f"--master-port={port}"]
         out = run(*flags, str(worker), str(port))

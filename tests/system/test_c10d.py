@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from watchdogd.linux.net import free_port
 
 from ..conftest import children, kill_nodes, wait_until
 
@@ -51,13 +52,6 @@ CONF = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 _started: list[subprocess.Popen[str]] = []
 
 
@@ -69,7 +63,7 @@ def _kill_nodes() -> Iterator[None]:
 
 class Job:
     def __init__(self, tmp_path: Path) -> None:
-        self.endpoint = f"127.0.0.1:{free_port()}"
+        self.endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
         self.run_id = f"job-{uuid.uuid4().hex[:8]}"
         self.worker = tmp_path / "worker.py"
         self.worker.write_text(WORKER)
@@ -206,7 +200,12 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 def test_without_torch_the_error_names_the_ways_out(tmp_path: Path) -> None:
     python = python_without(tmp_path)
     out = subprocess.run(
-        [*WATCHDOGD, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "true"],
+        [
+            *WATCHDOGD,
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port('127.0.0.1')}",
+            "true",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

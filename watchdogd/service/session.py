@@ -68,14 +68,11 @@ class SessionPorts(NamedTuple):
 class Peer:
     """A connection's kernel-checked identity."""
 
-    __slots__ = ("admin", "gid", "handle", "pid", "requester", "uid")
+    __slots__ = ("admin", "handle", "pid", "requester", "uid")
 
-    def __init__(
-        self, pid: int, uid: int, gid: int, admin: bool, handle: ProcessHandle | None
-    ) -> None:
+    def __init__(self, pid: int, uid: int, admin: bool, handle: ProcessHandle | None) -> None:
         self.pid = pid
         self.uid = uid
-        self.gid = gid
         self.admin = admin
         self.requester = Requester("socket", uid, admin)
         self.handle = handle

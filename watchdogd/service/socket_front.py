@@ -89,7 +89,7 @@ class SocketFront:
                     await stream.send(encode(refusal))
                 return
             admin = _is_admin(raw, uid, gid, self.admin_gid)
-            peer = Peer(pid, uid, gid, admin, _pin_peer(raw, pid))
+            peer = Peer(pid, uid, admin, _pin_peer(raw, pid))
             stats.connections += 1
             try:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
