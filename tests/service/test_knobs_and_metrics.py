@@ -171,9 +171,13 @@ async def test_metrics_parse_and_move(short_dir: Path) -> None:
         assert await anyio.to_thread.run_sync(hung.wait, 30) == -signal.SIGKILL
         client = wd.SocketTimerClient(d.socket_path)
         try:
-            await anyio.to_thread.run_sync(client.acquire_for, 1, "init", time.time() + 5, 9)
+
+            def refused_then_sync() -> None:
+                client.acquire_for(1, "init", time.time() + 5, 9)
+                client.sync()
+
             with pytest.raises(wd.RequestError):
-                await anyio.to_thread.run_sync(client.sync)
+                await anyio.to_thread.run_sync(refused_then_sync)
         finally:
             client.close()
         after = await anyio.to_thread.run_sync(scrape)

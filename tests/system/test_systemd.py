@@ -308,8 +308,10 @@ def test_sighup_applies_a_changed_limit_and_keeps_timers(short_dir: Path) -> Non
             write_config(short_dir, max_scope_len=10)
             proc.send_signal(signal.SIGHUP)
             time.sleep(0.5)
-            client.acquire_for(sleeper.pid, "t" * 100, time.time() + 600, 9)
+            # The refusal surfaces at the next call: acquire_for itself when the
+            # reply is already back, else sync.
             with pytest.raises(wd.RequestError) as caught:
+                client.acquire_for(sleeper.pid, "t" * 100, time.time() + 600, 9)
                 client.sync()
             assert caught.value.code == "limit_exceeded"
             assert "max_scope_len (10)" in caught.value.message

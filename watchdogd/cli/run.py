@@ -441,15 +441,18 @@ async def _run_group(
         outcome["state"] = state
         done.set()
 
+    # Taken before anything is served: once the health port answers, a signal is
+    # the group's to handle, never the default action that would kill the run.
+    received = anyio.open_signal_receiver(*signals)
+
     async def forward_signals() -> None:
         """Each signal to the workers; the group stops, and the run ends once it has."""
-        with anyio.open_signal_receiver(*signals) as received:
-            async for signum in received:
-                outcome.setdefault("signal", signum)
-                try:
-                    daemon.supervisor.get(spec.name).signalled(signum)
-                except GroupError:  # not started, or over: nobody to pass it to
-                    done.set()
+        async for signum in received:
+            outcome.setdefault("signal", signum)
+            try:
+                daemon.supervisor.get(spec.name).signalled(signum)
+            except GroupError:  # not started, or over: nobody to pass it to
+                done.set()
 
     async def until_done() -> None:
         async with anyio.create_task_group() as tg:
@@ -459,11 +462,12 @@ async def _run_group(
             tg.cancel_scope.cancel()
 
     daemon.supervisor.on_finished = finished
-    async with anyio.create_task_group() as tg:
-        await tg.start(partial(daemon.serve, shutdown_trigger=until_done))
-        try:
-            daemon.supervisor.submit(spec)
-        except GroupError as e:
-            print(f"watchdogd run: {e}", file=sys.stderr)
-            outcome["error"] = 1
-            done.set()
+    with received:
+        async with anyio.create_task_group() as tg:
+            await tg.start(partial(daemon.serve, shutdown_trigger=until_done))
+            try:
+                daemon.supervisor.submit(spec)
+            except GroupError as e:
+                print(f"watchdogd run: {e}", file=sys.stderr)
+                outcome["error"] = 1
+                done.set()
