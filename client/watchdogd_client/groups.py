@@ -161,6 +161,9 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = None
     """Bind local rank *i* to CPUs near its GPU (torchrun's ``--numa-binding``); None: don't."""
     log_dir: str | None = None
+    logs_specs: str | None = None
+    """A ``torchrun.logs_specs`` entry point: a torch ``LogsSpecs`` that decides each
+    attempt's log files (run by the torch helper); None: watchdogd's own layout."""
     redirects: StreamSelector = "0"
     tee: StreamSelector = "0"
     local_ranks_filter: list[NonNegative] | None = None
@@ -188,7 +191,7 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         writes_files = self.redirects != "0" or self.tee != "0"
         filters = self.duplicate_stdout_filters or self.duplicate_stderr_filters
-        if (writes_files or filters) and self.log_dir is None:
+        if (writes_files or filters) and self.log_dir is None and self.logs_specs is None:
             raise ValueError("redirects, tee and duplicate filters write files: set log_dir")
 
 

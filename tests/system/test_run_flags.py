@@ -256,18 +256,86 @@ def test_logs_specs_default_and_a_missing_one(tmp_path: Path) -> None:
     assert "Could not find entrypoint under 'torchrun.logs_specs[DOESNOT_EXIST]' key" in out.stderr
 
 
-def test_a_logs_specs_of_its_own_is_found_as_torchrun_finds_it_then_refused(
-    tmp_path: Path,
-) -> None:
+FLAT_LOGS_SPECS = """
+    import os
+    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+    class FlatLogsSpecs(LogsSpecs):
+        # Every rank's files side by side: LOG_DIR/RUN-aATTEMPT-rRANK.{out,err,json}
+        @property
+        def root_log_dir(self):
+            return self._root_log_dir
+
+        def reify(self, envs):
+            if os.environ.get("BREAK_REIFY"):
+                raise RuntimeError("no room for logs today")
+            outs, errs, errors = {}, {}, {}
+            for rank, env in envs.items():
+                run, attempt = env["TORCHELASTIC_RUN_ID"], env["TORCHELASTIC_RESTART_COUNT"]
+                base = os.path.join(self._root_log_dir, f"{run}-a{attempt}-r{rank}")
+                outs[rank], errs[rank], errors[rank] = base + ".out", base + ".err", base + ".json"
+                env["TORCHELASTIC_ERROR_FILE"] = errors[rank]
+                env["FLAT_LOGS"] = "yes"
+            shown = set(self._local_ranks_filter or envs)
+            tees = {rank: outs[rank] for rank in envs if rank in shown}
+            return LogsDest(outs, errs, tees, {}, errors)
+"""
+
+FLAT_WORKER = """
+    import os, pathlib, sys, time
+    rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+    flat, error_file = os.environ["FLAT_LOGS"], os.environ["TORCHELASTIC_ERROR_FILE"]
+    print(f"rank {rank} flat={flat} error file {error_file}")
+    print(f"stderr of rank {rank}", file=sys.stderr, flush=True)
+    # Every rank has written before any fails: a failure stops the others.
+    here = pathlib.Path(sys.argv[1])
+    (here / f"wrote-{attempt}-{rank}").touch()
+    while len(list(here.glob(f"wrote-{attempt}-*"))) < 2:
+        time.sleep(0.01)
+    sys.exit(3 if attempt == "0" else 0)
+"""
+
+
+def test_a_logs_specs_of_its_own_decides_every_attempts_files(tmp_path: Path) -> None:
     env = plugin(
-        tmp_path,
-        "class MyLogsSpecs:\n    pass\n",
-        "[torchrun.logs_specs]\nmine = wd_test_plugin:MyLogsSpecs\n",
+        tmp_path, FLAT_LOGS_SPECS, "[torchrun.logs_specs]\nflat = wd_test_plugin:FlatLogsSpecs\n"
     )
-    out = run("--logs-specs", "mine", "--no-python", "true", env=env)
-    assert out.returncode == 2
-    assert "torchrun.logs_specs[mine] is MyLogsSpecs" in out.stderr
-    assert "supports only 'default'" in out.stderr
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    worker = script(tmp_path, FLAT_WORKER)
+    out = run("--logs-specs", "flat", "--log-dir", str(logs), "--nproc-per-node", "2",
+              "--max-restarts", "1", "--local-ranks-filter", "1", worker, str(tmp_path),
+              env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for attempt in (0, 1):
+        for rank in (0, 1):
+            base = logs / f"none-a{attempt}-r{rank}"
+            assert base.with_suffix(".out").read_text() == (
+                f"rank {rank} flat=yes error file {base}.json\n"
+            )
+            assert base.with_suffix(".err").read_text() == f"stderr of rank {rank}\n"
+    # Rank 1 is tee'd to the console (prefixed), rank 0 only to its files.
+    assert "[default1]:rank 1 flat=yes" in out.stdout
+    assert "rank 0" not in out.stdout
+    assert sorted(p.name for p in logs.iterdir() if p.is_file()) == sorted(
+        f"none-a{a}-r{r}.{ext}" for a in (0, 1) for r in (0, 1) for ext in ("out", "err")
+    )
+
+
+def test_a_logs_specs_that_fails_stops_the_launch_naming_it(tmp_path: Path) -> None:
+    env = plugin(
+        tmp_path, FLAT_LOGS_SPECS, "[torchrun.logs_specs]\nflat = wd_test_plugin:FlatLogsSpecs\n"
+    )
+    out = run("--logs-specs", "flat", "--log-dir", str(tmp_path), "--no-python", "true",
+              env={**env, "BREAK_REIFY": "1"})  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "logs_specs 'flat'" in out.stderr and "no room for logs today" in out.stderr
+    broken = plugin(
+        tmp_path / "b", "import no_such_module\n", "[torchrun.logs_specs]\nx = wd_test_plugin:X\n"
+    )
+    out = run("--logs-specs", "x", "--no-python", "true", env=broken)
+    assert out.returncode == 1, out.stderr
+    assert "logs_specs 'x'" in out.stderr and "No module named 'no_such_module'" in out.stderr
 
 
 # -- --shutdown-timeout and TORCH_ELASTIC_SHUTDOWN_TIMEOUT --------------------------------

@@ -24,7 +24,13 @@ import anyio
 import pytest
 
 from watchdogd.core.workerenv import StreamRoute
-from watchdogd.groups.worker_logs import MAX_LINE, ConsoleWriter, StreamCopier
+from watchdogd.groups.worker_logs import (
+    MAX_LINE,
+    ConsoleWriter,
+    StreamCopier,
+    open_log,
+    open_target,
+)
 
 from ..conftest import wait_for, wait_until
 
@@ -159,7 +165,9 @@ async def test_a_stalled_log_file_pauses_the_pipe_then_resumes_and_loses_nothing
     disk = os.open(tmp_path / "stdout.log", os.O_RDONLY | os.O_NONBLOCK)
     proc, fd = _worker("import sys\n" + WRITE_RANK0)
     with proc:
-        copier = StreamCopier(fd, StreamRoute("stdout", True, "none"), tmp_path, b"", None)
+        log = tmp_path / "stdout.log"
+        route = StreamRoute("stdout", str(log), "none")
+        copier = StreamCopier(fd, route, b"", None, file=open_log(str(log)))
         await wait_for(lambda: copier.paused)
         # Backpressure: the worker's pipe fills up and the worker waits.
         capacity = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
@@ -171,6 +179,12 @@ async def test_a_stalled_log_file_pauses_the_pipe_then_resumes_and_loses_nothing
         assert proc.wait(10) == 0
     assert written == RANK0
     assert not copier.paused
+
+
+def _copier(fd: int, route: StreamRoute, console: ConsoleWriter) -> StreamCopier:
+    target = open_target(route)
+    assert target.popen is subprocess.PIPE
+    return StreamCopier(fd, route, b"[p]:", console, file=target.file, filtered=target.filtered)
 
 
 def _unread(fd: int) -> int:
@@ -193,9 +207,10 @@ async def test_close_keeps_the_last_unterminated_line_on_the_console_and_in_file
         """
     )
     with proc:
-        route = StreamRoute("stdout", True, "prefixed", ("keep",))
-        copier = StreamCopier(fd, route, tmp_path, b"[p]:", console)
         log = tmp_path / "stdout.log"
+        filtered = str(tmp_path / "filtered_stdout.log")
+        route = StreamRoute("stdout", str(log), "prefixed", ("keep",), filtered)
+        copier = _copier(fd, route, console)
         await wait_for(lambda: log.stat().st_size == len(b"one\nkeep two\nkeep partial"))
         copier.close()  # as the supervisor does when a worker's pipe outlives its drain time
         with anyio.fail_after(10):
@@ -224,8 +239,8 @@ async def test_a_line_that_never_ends_is_shown_in_bounded_pieces(tmp_path: Path)
         """
     )
     with proc:
-        route = StreamRoute("stdout", True, "prefixed", ())
-        copier = StreamCopier(fd, route, tmp_path, b"[p]:", console)
+        route = StreamRoute("stdout", str(tmp_path / "stdout.log"), "prefixed")
+        copier = _copier(fd, route, console)
         with anyio.fail_after(30):
             await copier.done.wait()
     assert (tmp_path / "stdout.log").stat().st_size == size + 1  # the file: every byte, as is

@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd.daemon import Daemon
 from watchdogd.groups.runner import GroupRunner, visible_gpus
 from watchdogd.linux import aio as _aio
-from watchdogd.linux.plugins import PluginError, load_entry_point
+from watchdogd.linux.plugins import LOGS_SPECS_GROUP, has_entry_point, not_found
 from watchdogd_client.groups import C10dConf, GroupSpec, GroupState
 
 __all__ = ["add_run_arguments", "run", "spec_from_args"]
@@ -42,7 +43,6 @@ __all__ = ["add_run_arguments", "run", "spec_from_args"]
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's
-LOGS_SPECS_GROUP = "torchrun.logs_specs"  # torchrun's entry point group
 
 
 def _flag(parser: argparse._ActionsContainer, name: str, *short: str, **kwargs: object) -> None:
@@ -109,8 +109,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
           help="c10d: seconds between checks for waiting nodes (exits: at once)")  # fmt: skip
     _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
     _flag(parser, "--logs-specs", default=None, metavar="NAME",
-          help="torch's 'default' (watchdogd's own layout); others are looked up in "
-          "entry point group torchrun.logs_specs")  # fmt: skip
+          help="where workers' logs go: torch's 'default' (watchdogd's own layout), or a "
+          "LogsSpecs class named in entry point group torchrun.logs_specs")  # fmt: skip
     _flag(parser, "--event-log-handler", default="null", metavar="NAME",
           help="record events to this handler: null, console, dynamic_rendezvous, or an "
           "entry point in group watchdogd.event_handlers")  # fmt: skip
@@ -170,29 +170,17 @@ def handled_signals(value: str) -> list[signal.Signals]:
     return chosen
 
 
-def check_logs_specs(name: str | None) -> None:
-    """``--logs-specs``: torch's ``default`` is watchdogd's own layout of the log files.
+def logs_specs_name(name: str | None) -> str | None:
+    """``--logs-specs``: None for torch's ``default``, which is watchdogd's own layout.
 
-    Another name is looked up as torchrun does, among the ``torchrun.logs_specs``
-    entry points; it is refused when missing (in torchrun's words) and when found,
-    since watchdogd writes each worker's files itself and never calls a ``LogsSpecs``.
+    Another name must be a ``torchrun.logs_specs`` entry point, as torchrun
+    finds it; it is loaded, with torch, by the group's helper process, never here.
     """
     if name is None or name == "default":
-        return
-    try:
-        found = load_entry_point(LOGS_SPECS_GROUP, name)
-    except PluginError as e:
-        raise ValueError(f"--logs-specs {name}: {e}") from None
-    if found is None:
-        raise ValueError(
-            f"--logs-specs: Could not find entrypoint under '{LOGS_SPECS_GROUP}[{name}]' key"
-        )
-    what = getattr(found, "__qualname__", repr(found))
-    raise ValueError(
-        f"--logs-specs {name}: {LOGS_SPECS_GROUP}[{name}] is {what}, a LogsSpecs of its own: "
-        "watchdogd run lays out logs itself (LOG_DIR/ROLE/attempt_N/LOCAL_RANK/) "
-        "and supports only 'default'"
-    )
+        return None
+    if not has_entry_point(LOGS_SPECS_GROUP, name):
+        raise ValueError(f"--logs-specs: {not_found(LOGS_SPECS_GROUP, name)}")
+    return name
 
 
 def _comma_list(value: str) -> list[str]:
@@ -306,10 +294,12 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
     env = {"TORCHELASTIC_SIGNALS_TO_HANDLE": args.signals_to_handle}
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so workers don't oversubscribe
+    logs_specs = logs_specs_name(args.logs_specs)
     log_dir = args.log_dir
     filters = args.duplicate_stdout_filters or args.duplicate_stderr_filters
-    if log_dir is None and (args.redirects != "0" or args.tee != "0" or filters):
-        log_dir = tempfile.mkdtemp(prefix="watchdogd-logs-")
+    writes_files = args.redirects != "0" or args.tee != "0" or filters
+    if log_dir is None and writes_files and logs_specs is None:
+        log_dir = tempfile.mkdtemp(prefix="watchdogd-logs-")  # torch's default does so too
     ranks_filter = (
         [int(r) for r in args.local_ranks_filter.split(",")] if args.local_ranks_filter else None
     )
@@ -323,6 +313,7 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "role": args.role,
                 "env": env,
                 "log_dir": log_dir,
+                "logs_specs": logs_specs,
                 "redirects": args.redirects,
                 "tee": args.tee,
                 "local_ranks_filter": ranks_filter,
@@ -365,7 +356,6 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
 def run(args: argparse.Namespace, config: Config) -> int:
     try:
         signals = handled_signals(args.signals_to_handle)
-        check_logs_specs(args.logs_specs)
         spec = spec_from_args(args)
     except ValueError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
@@ -441,11 +431,7 @@ async def _run_group(
         outcome["state"] = state
         done.set()
 
-    # Taken before anything is served: once the health port answers, a signal is
-    # the group's to handle, never the default action that would kill the run.
-    received = anyio.open_signal_receiver(*signals)
-
-    async def forward_signals() -> None:
+    async def forward_signals(received: AsyncIterator[signal.Signals]) -> None:
         """Each signal to the workers; the group stops, and the run ends once it has."""
         async for signum in received:
             outcome.setdefault("signal", signum)
@@ -454,17 +440,19 @@ async def _run_group(
             except GroupError:  # not started, or over: nobody to pass it to
                 done.set()
 
-    async def until_done() -> None:
+    async def until_done(received: AsyncIterator[signal.Signals]) -> None:
         async with anyio.create_task_group() as tg:
             if signals:
-                tg.start_soon(forward_signals)
+                tg.start_soon(forward_signals, received)
             await done.wait()
             tg.cancel_scope.cancel()
 
     daemon.supervisor.on_finished = finished
-    with received:
+    # Taken before anything is served: once the health port answers, a signal is
+    # the group's to handle, never the default action that would kill the run.
+    with anyio.open_signal_receiver(*signals) as received:
         async with anyio.create_task_group() as tg:
-            await tg.start(partial(daemon.serve, shutdown_trigger=until_done))
+            await tg.start(partial(daemon.serve, shutdown_trigger=partial(until_done, received)))
             try:
                 daemon.supervisor.submit(spec)
             except GroupError as e:

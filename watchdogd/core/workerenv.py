@@ -8,6 +8,7 @@ trainer's ``expires()`` reaches the daemon that supervises it.
 
 from __future__ import annotations
 
+import os
 import string
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +19,7 @@ import msgspec
 from watchdogd_client.groups import GroupSpec
 
 __all__ = [
+    "LogsDest",
     "Placement",
     "StreamRoute",
     "apply_env_knobs",
@@ -25,6 +27,7 @@ __all__ = [
     "gpu_assignment",
     "group_devices",
     "log_prefix",
+    "routes_from_logs_dest",
     "stream_routes",
     "worker_env",
 ]
@@ -72,14 +75,33 @@ class StreamRoute(msgspec.Struct, frozen=True):
     """Where one worker stream goes: its log file, the console, a filtered copy."""
 
     name: Literal["stdout", "stderr"]
-    file: bool
+    file: str | None
+    """The log file it is written to, whole (None: none)."""
     console: Literal["none", "plain", "prefixed"]
     filters: tuple[str, ...] = ()
+    filtered_file: str | None = None
+    """Where lines matching ``filters`` are copied (None: nowhere)."""
 
     @property
     def piped(self) -> bool:
         """Through the daemon (a pipe it reads), not straight to a file or the console."""
-        return bool(self.filters) or self.console == "prefixed"
+        return bool(self.filters and self.filtered_file) or self.console == "prefixed"
+
+
+class LogsDest(msgspec.Struct, frozen=True, kw_only=True):
+    """torch's ``LogsDest``: what a ``LogsSpecs`` decided for one attempt, rank by rank.
+
+    A stream's path ``""`` is the console as it is, ``os.devnull`` nowhere; a
+    rank in ``tee_*`` also shows that stream on the console, prefixed.
+    """
+
+    stdouts: dict[int, str]
+    stderrs: dict[int, str]
+    tee_stdouts: dict[int, str]
+    tee_stderrs: dict[int, str]
+    error_files: dict[int, str]
+    filtered_stdout: str = ""
+    filtered_stderr: str = ""
 
 
 def _assigned(spec: GroupSpec, visible: list[str] | None) -> list[str] | None:
@@ -139,24 +161,25 @@ def _selector(value: str, nproc: int) -> dict[int, int]:
     return chosen
 
 
-def stream_routes(spec: GroupSpec) -> dict[int, tuple[StreamRoute, StreamRoute]]:
+def stream_routes(
+    spec: GroupSpec, directory: Path | None
+) -> dict[int, tuple[StreamRoute, StreamRoute]]:
     """Per local rank, (stdout, stderr) routes, as torchrun reads its flags.
 
     ``--redirects`` (1 stdout, 2 stderr, 3 both) sends a stream to its log
-    file only; ``--tee`` to the file and to the console with a prefix; neither
-    leaves it on the console as is. ``local_ranks_filter`` keeps other ranks
-    off the console (not out of their files). ``duplicate_*_filters`` copy the
-    matching lines to ``filtered_<stream>.log`` beside the rank's logs.
+    file only (``directory/LOCAL_RANK/<stream>.log``); ``--tee`` to the file
+    and to the console with a prefix; neither leaves it on the console as
+    is. ``local_ranks_filter`` keeps other ranks off the console (not out of
+    their files). ``duplicate_*_filters`` copy the matching lines to
+    ``filtered_<stream>.log`` beside the rank's logs.
     """
     redirects = _selector(spec.redirects, spec.nproc)
     tee = _selector(spec.tee, spec.nproc)
     shown = set(spec.local_ranks_filter) if spec.local_ranks_filter is not None else None
-    filters = {
-        "stdout": tuple(spec.duplicate_stdout_filters),
-        "stderr": tuple(spec.duplicate_stderr_filters),
-    }
+    filters = _filters(spec)
     routes = {}
     for rank in range(spec.nproc):
+        rank_dir = directory / str(rank) if directory is not None else None
         pair = []
         for bit, name in ((1, "stdout"), (2, "stderr")):
             to_file = bool((redirects[rank] | tee[rank]) & bit)
@@ -167,9 +190,47 @@ def stream_routes(spec: GroupSpec) -> dict[int, tuple[StreamRoute, StreamRoute]]
                 console = "prefixed"
             else:
                 console = "none" if to_file else "plain"
-            pair.append(StreamRoute(name, to_file, console, filters[name]))  # type: ignore[arg-type]
+            file = str(rank_dir / f"{name}.log") if to_file and rank_dir else None
+            filtered = str(rank_dir / f"filtered_{name}.log") if rank_dir else None
+            pair.append(StreamRoute(name, file, console, filters[name], filtered))  # type: ignore[arg-type]
         routes[rank] = (pair[0], pair[1])
     return routes
+
+
+def routes_from_logs_dest(
+    spec: GroupSpec, dest: LogsDest
+) -> dict[int, tuple[StreamRoute, StreamRoute]]:
+    """Per local rank, (stdout, stderr) routes where a ``LogsSpecs`` sent them.
+
+    As torch's agent reads a ``LogsDest``: a stream with a path is written
+    there, one without stays on the console, and a tee'd one is also shown,
+    prefixed. A rank the ``LogsDest`` leaves out keeps its streams on the console.
+    """
+    filters = _filters(spec)
+    routes = {}
+    for rank in range(spec.nproc):
+        pair = []
+        for name, paths, tees, filtered in (
+            ("stdout", dest.stdouts, dest.tee_stdouts, dest.filtered_stdout),
+            ("stderr", dest.stderrs, dest.tee_stderrs, dest.filtered_stderr),
+        ):
+            path = paths.get(rank, "")
+            console: Literal["none", "plain", "prefixed"]
+            if tees.get(rank, os.devnull) != os.devnull:
+                console = "prefixed"
+            else:
+                console = "plain" if path == "" else "none"
+            file = path if path not in ("", os.devnull) else None
+            pair.append(StreamRoute(name, file, console, filters[name], filtered or None))  # type: ignore[arg-type]
+        routes[rank] = (pair[0], pair[1])
+    return routes
+
+
+def _filters(spec: GroupSpec) -> dict[str, tuple[str, ...]]:
+    return {
+        "stdout": tuple(spec.duplicate_stdout_filters),
+        "stderr": tuple(spec.duplicate_stderr_filters),
+    }
 
 
 def apply_env_knobs(spec: GroupSpec, environ: Mapping[str, str]) -> GroupSpec:

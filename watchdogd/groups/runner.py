@@ -46,15 +46,18 @@ from watchdogd.core.ports import EventSink, GroupError, Hardware
 from watchdogd.core.rdzv_state import Change, RendezvousError
 from watchdogd.core.workerenv import (
     Placement,
+    StreamRoute,
     attempt_dir,
     gpu_assignment,
     group_devices,
     log_prefix,
+    routes_from_logs_dest,
     stream_routes,
     worker_env,
 )
+from watchdogd.groups.logs_specs import CustomLogsSpecs
 from watchdogd.groups.rendezvous import open_rendezvous
-from watchdogd.groups.worker_logs import StreamCopier, open_target, start_copier
+from watchdogd.groups.worker_logs import StreamCopier, Target, open_target, start_copier
 from watchdogd.linux import aio
 from watchdogd.linux.numa import bound_to
 from watchdogd.linux.procs import read_stat
@@ -183,7 +186,9 @@ class GroupRunner:
         self.started_at = time.time()
         self.hostname = socket.gethostname()
         self.placement: Placement | None = None
-        self.routes = stream_routes(spec)
+        self.logs_specs = (
+            CustomLogsSpecs(spec, spec.logs_specs) if spec.logs_specs is not None else None
+        )
         self.gpus = self._assign_gpus()
         # Every worker gets torch's error file, as under torchrun: beside its logs when
         # there are logs, else in a directory of the group's own, kept only if it failed.
@@ -316,6 +321,8 @@ class GroupRunner:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._kill_everything()
+                if self.logs_specs is not None:
+                    await self.logs_specs.aclose()
             self._drop_run_dir()
             self._inbox_send.close()
             self._inbox.close()
@@ -440,14 +447,8 @@ class GroupRunner:
         self.placement = placement
         self.workers = {}
         base = dict(os.environ)
-        directory = attempt_dir(self.spec, attempt)
-        for local_rank in range(self.spec.nproc):
-            rank = placement.rank(local_rank, self.spec.nproc)
-            rank_dir = directory / str(local_rank) if directory is not None else None
-            error_path = self.run_dir / f"attempt_{attempt}" / str(local_rank) / "error.json"
-            error_path.parent.mkdir(parents=True, exist_ok=True)  # rank_dir, if there are logs
-            error_path.unlink(missing_ok=True)  # an earlier run's, in a log dir used again
-            env = worker_env(
+        envs = {
+            local_rank: worker_env(
                 self.spec,
                 placement,
                 local_rank,
@@ -456,14 +457,68 @@ class GroupRunner:
                 cuda_visible=self.gpus[local_rank],
                 socket_path=self.endpoints.socket_path,
                 fifo_path=self.endpoints.fifo_path,
-                error_path=error_path,
+                error_path=self.run_dir / f"attempt_{attempt}" / str(local_rank) / "error.json",
             )
-            worker = self._spawn(local_rank, rank, attempt, env, rank_dir)
-            worker.error_file = str(error_path)
-            self.workers[local_rank] = worker
-            self.index.add(worker.pid, self.spec.name)
-            aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
-            self.events.emit_at(logging.DEBUG, "worker_started", **self._about(worker))
+            for local_rank in range(self.spec.nproc)
+        }
+        routes = await self._log_routes(attempt, envs, base)
+        # Off the loop: a log directory on NFS may take its time.
+        targets = await anyio.to_thread.run_sync(self._open_logs, envs, routes)
+        try:
+            for local_rank, env in envs.items():
+                rank = placement.rank(local_rank, self.spec.nproc)
+                opened = targets.pop(local_rank)
+                worker = self._spawn(local_rank, rank, attempt, env, routes[local_rank], opened)
+                worker.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None
+                self.workers[local_rank] = worker
+                self.index.add(worker.pid, self.spec.name)
+                aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
+                self.events.emit_at(logging.DEBUG, "worker_started", **self._about(worker))
+        finally:
+            for pair in targets.values():  # ranks that never started
+                for target in pair:
+                    target.close()
+
+    async def _log_routes(
+        self, attempt: int, envs: dict[int, dict[str, str]], base: dict[str, str]
+    ) -> dict[int, tuple[StreamRoute, StreamRoute]]:
+        """Each rank's streams this attempt; a ``LogsSpecs`` may set variables in ``envs``."""
+        if self.logs_specs is None:
+            return stream_routes(self.spec, attempt_dir(self.spec, attempt))
+        # torch's agent hands reify its own variables, not the environment they inherit.
+        own = {
+            rank: {k: v for k, v in env.items() if base.get(k) != v} for rank, env in envs.items()
+        }
+        reified = await self.logs_specs.reify(own)
+        for rank, env in envs.items():
+            env.update(reified.envs.get(rank, {}))
+        return routes_from_logs_dest(self.spec, reified.dest)
+
+    def _open_logs(
+        self, envs: dict[int, dict[str, str]], routes: dict[int, tuple[StreamRoute, StreamRoute]]
+    ) -> dict[int, tuple[Target, Target]]:
+        """Every rank's open streams, or GroupError naming the one that cannot be opened."""
+        opened: dict[int, tuple[Target, Target]] = {}
+        try:
+            for local_rank, (out_route, err_route) in routes.items():
+                if self.logs_specs is None:  # watchdogd's layout: the error file is ours
+                    error_path = Path(envs[local_rank]["TORCHELASTIC_ERROR_FILE"])
+                    error_path.parent.mkdir(parents=True, exist_ok=True)  # the rank's log dir too
+                    error_path.unlink(missing_ok=True)  # an earlier run's, in a log dir used again
+                stdout = open_target(out_route)
+                try:
+                    opened[local_rank] = (stdout, open_target(err_route))
+                except OSError:
+                    stdout.close()
+                    raise
+        except OSError as e:
+            for pair in opened.values():
+                for target in pair:
+                    target.close()
+            raise GroupError(
+                f"group {self.spec.name}: cannot open {e.filename}: {e.strerror}"
+            ) from None
+        return opened
 
     def _spawn(
         self,
@@ -471,11 +526,10 @@ class GroupRunner:
         rank: int,
         attempt: int,
         env: dict[str, str],
-        rank_dir: Path | None,
+        routes: tuple[StreamRoute, StreamRoute],
+        targets: tuple[Target, Target],
     ) -> _Worker:
-        out_route, err_route = self.routes[local_rank]
-        stdout = open_target(out_route, rank_dir)
-        stderr = open_target(err_route, rank_dir)
+        """Start one worker on its opened streams, which are closed or handed on either way."""
         cpus = self.cpus.get(local_rank) if self.cpus is not None else None
         try:
             with bound_to(cpus) if cpus is not None else nullcontext():
@@ -484,22 +538,22 @@ class GroupRunner:
                     env=env,
                     cwd=self.spec.cwd,
                     stdin=subprocess.DEVNULL,
-                    stdout=stdout,
-                    stderr=stderr,
+                    stdout=targets[0].popen,
+                    stderr=targets[1].popen,
                     start_new_session=True,
                 )
         except OSError as e:
+            for target in targets:
+                target.close()
             raise GroupError(
                 f"group {self.spec.name}: cannot start {self.spec.entrypoint[0]!r}: {e.strerror}"
             ) from None
-        finally:
-            for target in (stdout, stderr):
-                if not isinstance(target, int | None):
-                    target.close()
         prefix = log_prefix(self.spec, local_rank, rank, self.hostname).encode()
-        for route, pipe in ((out_route, popen.stdout), (err_route, popen.stderr)):
+        for route, target, pipe in zip(routes, targets, (popen.stdout, popen.stderr), strict=True):
             if pipe is not None:
-                self.copiers.append(start_copier(pipe, route, rank_dir, prefix))
+                self.copiers.append(start_copier(pipe, target, route, prefix))
+            else:
+                target.close()  # the worker holds its own descriptor
         return _Worker(local_rank, rank, attempt, popen)
 
     def _signal(self, worker: _Worker, signum: int) -> None:

@@ -15,7 +15,9 @@ one at a time, blocking as torch's agent does:
   ones torchrun runs — role and rank assignment, the master address and
   port, the store rank 0's agent hosts for the workers, the exit barrier —
   so a torchrun node and this one share one job. The agent never starts a
-  worker: the daemon does.
+  worker: the daemon does;
+- ``LoadLogsSpecs`` / ``Reify``: a ``--logs-specs`` class of the user's,
+  made as torchrun makes it and asked, each attempt, where the logs go.
 
 It needs msgspec and torch; it imports torch only when asked to use it,
 and dies with the daemon (the kernel's parent-death signal). Its stdout is
@@ -32,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from watchdogd.core.workerenv import LogsDest
 from watchdogd.groups.torch_wire import (
     MAX_FRAME,
     Done,
@@ -39,17 +42,21 @@ from watchdogd.groups.torch_wire import (
     Finish,
     Hosting,
     HostStore,
+    LoadLogsSpecs,
     NextRound,
     Open,
     Opened,
     Poll,
     Polled,
     Ready,
+    Reified,
+    Reify,
     Reply,
     Request,
     Round,
 )
 from watchdogd.linux.parent import die_with_parent
+from watchdogd.linux.plugins import LOGS_SPECS_GROUP, load_entry_point, not_found
 from watchdogd_client.framing import FrameSplitter, frame
 
 _encoder = msgspec.msgpack.Encoder()
@@ -86,6 +93,7 @@ class _Helper:
         self.store: Any = None
         self.agent: Any = None
         self.members: set[Any] = set()
+        self.logs_specs: Any = None
 
     def handle(self, request: Request) -> Reply:
         try:
@@ -100,6 +108,10 @@ class _Helper:
                     return self.poll()
                 case Finish(barrier=barrier):
                     return self.finish(barrier)
+                case LoadLogsSpecs():
+                    return self.load_logs_specs(request)
+                case Reify(envs=envs):
+                    return self.reify(envs)
         except Exception as e:
             return _failure(e)
 
@@ -195,6 +207,25 @@ class _Helper:
         waited = time.monotonic() - started
         self.agent.get_worker_group().spec.rdzv_handler.shutdown()
         return Done(waited=waited)
+
+    def load_logs_specs(self, request: LoadLogsSpecs) -> Opened:
+        from torch.distributed.elastic.multiprocessing import Std
+
+        cls: Any = load_entry_point(LOGS_SPECS_GROUP, request.name)
+        if cls is None:
+            raise LookupError(not_found(LOGS_SPECS_GROUP, request.name))
+        ranks = request.local_ranks_filter
+        self.logs_specs = cls(
+            log_dir=request.log_dir,
+            redirects=Std.from_str(request.redirects),
+            tee=Std.from_str(request.tee),
+            local_ranks_filter=set(ranks) if ranks is not None else None,
+        )
+        return Opened()
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> Reified:
+        dest = self.logs_specs.reify(envs)  # may set variables in envs, as torch's does
+        return Reified(dest=msgspec.convert(dest, LogsDest, from_attributes=True), envs=envs)
 
 
 def _send(fd: int, reply: Reply) -> None:

@@ -16,6 +16,8 @@ from typing import Literal
 
 import msgspec
 
+from watchdogd.core.workerenv import LogsDest
+
 __all__ = [
     "MAX_FRAME",
     "Done",
@@ -23,18 +25,21 @@ __all__ = [
     "Finish",
     "HostStore",
     "Hosting",
+    "LoadLogsSpecs",
     "NextRound",
     "Open",
     "Opened",
     "Poll",
     "Polled",
     "Ready",
+    "Reified",
+    "Reify",
     "Reply",
     "Request",
     "Round",
 ]
 
-MAX_FRAME = 1 << 20
+MAX_FRAME = 1 << 24  # a Reify of thousands of ranks' variables fits
 
 
 # -- requests ------------------------------------------------------------------
@@ -84,7 +89,25 @@ class Finish(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     barrier: bool
 
 
-Request = HostStore | Open | NextRound | Poll | Finish
+class LoadLogsSpecs(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Load the ``torchrun.logs_specs`` entry point ``name`` and make it as torchrun
+    does from these flags (strings as torchrun takes them); replies :class:`Opened`."""
+
+    name: str
+    log_dir: str | None
+    redirects: str
+    tee: str
+    local_ranks_filter: list[int] | None
+
+
+class Reify(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """One attempt's ``LogsSpecs.reify(envs)``; replies :class:`Reified`."""
+
+    envs: dict[int, dict[str, str]]
+    """Per local rank, torchrun's variables (not the environment they inherit)."""
+
+
+Request = HostStore | Open | NextRound | Poll | Finish | LoadLogsSpecs | Reify
 
 
 # -- replies -------------------------------------------------------------------
@@ -133,6 +156,12 @@ class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Seconds spent at the exit barrier."""
 
 
+class Reified(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    dest: LogsDest
+    envs: dict[int, dict[str, str]]
+    """``envs`` after ``reify``, which may set variables (torch's: ``TORCHELASTIC_ERROR_FILE``)."""
+
+
 class Failed(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """A request failed: ``kind`` sorts torch's exception, ``message`` says what happened."""
 
@@ -140,4 +169,4 @@ class Failed(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     message: str
 
 
-Reply = Ready | Hosting | Opened | Round | Polled | Done | Failed
+Reply = Ready | Hosting | Opened | Round | Polled | Done | Reified | Failed

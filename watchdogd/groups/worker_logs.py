@@ -44,7 +44,7 @@ import select
 import subprocess
 import threading
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Literal, NamedTuple
 
 import anyio
 
@@ -57,7 +57,9 @@ __all__ = [
     "FILE_BACKLOG",
     "ConsoleWriter",
     "StreamCopier",
+    "Target",
     "console",
+    "open_log",
     "open_target",
     "start_copier",
 ]
@@ -75,15 +77,44 @@ MAX_LINE = 1 << 16
 _PIPE_MAX = 1 << 20
 
 
-def open_target(route: StreamRoute, rank_dir: Path | None) -> int | IO[bytes] | None:
-    """What to hand ``Popen`` for this stream: a pipe, a file, /dev/null or inherit."""
-    if route.piped:
-        return subprocess.PIPE
-    if route.file and rank_dir is not None:
-        return open(rank_dir / f"{route.name}.log", "ab")
-    if route.console == "none":
-        return subprocess.DEVNULL
-    return None
+def open_log(path: str) -> IO[bytes]:
+    """``path`` for appending, its directory made if need be (OSError: it cannot be)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "ab")
+
+
+class Target(NamedTuple):
+    """One worker stream, opened: what ``Popen`` gets, and its copier's files when piped."""
+
+    popen: int | IO[bytes] | None
+    file: IO[bytes] | None = None
+    filtered: IO[bytes] | None = None
+
+    def close(self) -> None:
+        """Close what the daemon holds; once the copier has taken the files, they are its."""
+        for file in (self.popen, self.file, self.filtered):
+            if not isinstance(file, int | None):
+                file.close()
+
+
+def open_target(route: StreamRoute) -> Target:
+    """Open what this stream is written to, before the worker starts (OSError: it cannot be)."""
+    if not route.piped:
+        if route.file is not None:
+            return Target(open_log(route.file))
+        return Target(subprocess.DEVNULL if route.console == "none" else None)
+    file = open_log(route.file) if route.file is not None else None
+    try:
+        filtered = (
+            open_log(route.filtered_file)
+            if route.filters and route.filtered_file is not None
+            else None
+        )
+    except OSError:
+        if file is not None:
+            file.close()
+        raise
+    return Target(subprocess.PIPE, file, filtered)
 
 
 class ConsoleWriter:
@@ -170,19 +201,17 @@ class StreamCopier:
         self,
         fd: int,
         route: StreamRoute,
-        rank_dir: Path | None,
         prefix: bytes,
         console: ConsoleWriter | None,
+        *,
+        file: IO[bytes] | None = None,
+        filtered: IO[bytes] | None = None,
         backlog: int = FILE_BACKLOG,
     ) -> None:
         self.fd = fd
         self.route = route
-        self.file = open(rank_dir / f"{route.name}.log", "ab") if route.file and rank_dir else None  # noqa: SIM115
-        self.filtered = (
-            open(rank_dir / f"filtered_{route.name}.log", "ab")  # noqa: SIM115
-            if route.filters and rank_dir
-            else None
-        )
+        self.file = file
+        self.filtered = filtered
         self.filters = [f.encode() for f in route.filters]
         self.console = console
         self.prefix = prefix if route.console == "prefixed" else b""
@@ -320,11 +349,11 @@ class StreamCopier:
 
 
 def start_copier(
-    pipe: IO[bytes], route: StreamRoute, rank_dir: Path | None, prefix: bytes
+    pipe: IO[bytes], target: Target, route: StreamRoute, prefix: bytes
 ) -> StreamCopier:
-    """Take over ``Popen``'s pipe end and copy it from the event loop."""
+    """Take over ``Popen``'s pipe end and copy it from the event loop into ``target``'s files."""
     fd = os.dup(pipe.fileno())
     pipe.close()
     os.set_blocking(fd, False)
     shown = console(route.name) if route.console != "none" else None
-    return StreamCopier(fd, route, rank_dir, prefix, shown)
+    return StreamCopier(fd, route, prefix, shown, file=target.file, filtered=target.filtered)

@@ -10,7 +10,16 @@ from __future__ import annotations
 import importlib
 from importlib import metadata
 
-__all__ = ["PluginError", "load_entry_point", "load_reference"]
+__all__ = [
+    "LOGS_SPECS_GROUP",
+    "PluginError",
+    "has_entry_point",
+    "load_entry_point",
+    "load_reference",
+    "not_found",
+]
+
+LOGS_SPECS_GROUP = "torchrun.logs_specs"  # torchrun's: where it finds --logs-specs NAME
 
 
 class PluginError(Exception):
@@ -29,6 +38,16 @@ def load_reference(reference: str) -> object:
     except Exception as e:  # their module's code: anything may fail in it
         raise PluginError(f"cannot load {reference!r}: {type(e).__name__}: {e}") from None
     return target
+
+
+def has_entry_point(group: str, name: str) -> bool:
+    """Whether a distribution offers entry point ``name`` of ``group`` (nothing is imported)."""
+    return bool(metadata.entry_points(group=group, name=name))
+
+
+def not_found(group: str, name: str) -> str:
+    """What is said of a missing entry point, in torchrun's words."""
+    return f"Could not find entrypoint under '{group}[{name}]' key"
 
 
 def load_entry_point(group: str, name: str) -> object | None:
