@@ -89,9 +89,15 @@ def _admin_gid(config: Config) -> int | None:
 class Daemon:
     """The timer service and the worker groups. ``await Daemon(config).serve()`` runs them."""
 
-    def __init__(self, config: Config, *, loop_tick: float = 0.5) -> None:
-        """ConfigError when the event handler the config names cannot be had."""
+    def __init__(self, config: Config, *, loop_tick: float = 0.5, embedded: bool = False) -> None:
+        """ConfigError when the event handler the config names cannot be had.
+
+        ``embedded``: it runs in someone else's process (``watchdogd.launcher``),
+        which may be a systemd service of its own: it adopts no ``LISTEN_FDS``,
+        tells systemd nothing, and leaves the process's garbage collector alone.
+        """
         self.config = config
+        self.embedded = embedded
         self.socket_path = config.socket_path()
         self.fifo_path = config.fifo_path()
         self.started_at = time.monotonic()
@@ -146,7 +152,7 @@ class Daemon:
             ),
             _admin_gid(config),
         )
-        self.notifier = Notifier()
+        self.notifier = Notifier({} if embedded else None)
         self.http_address: tuple[str, int] | None = None
         self._activated = False
 
@@ -200,7 +206,8 @@ class Daemon:
                 # as the process: never scanning it again keeps a full garbage
                 # collection, which runs on the loop, at milliseconds rather
                 # than the 70+ ms it takes with torch's modules in the process.
-                gc.freeze()
+                if not self.embedded:
+                    gc.freeze()
                 task_status.started(self)
                 self.notifier.notify("READY=1", self._status_line())
                 if shutdown_trigger is None:
@@ -231,7 +238,7 @@ class Daemon:
         limits = self.config.limits
         raw_socket: socket.socket | None = None
         fifo_fd: int | None = None
-        for fd in listen_fds():
+        for fd in listen_fds() if not self.embedded else ():
             if raw_socket is None and is_listening_unix_socket(fd):
                 raw_socket = socket.socket(fileno=fd)
                 raw_socket.setblocking(False)

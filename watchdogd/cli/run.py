@@ -17,24 +17,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator
-from functools import partial
-from pathlib import Path
 
-import anyio
 import msgspec
 
 from watchdogd.core.config import Config, ConfigError
 from watchdogd.core.numa import AFFINITY_MODES
-from watchdogd.core.ports import GroupError
 from watchdogd.core.workerenv import apply_env_knobs
-from watchdogd.daemon import Daemon
+from watchdogd.foreground import run_group
 from watchdogd.groups.runner import GroupRunner, visible_gpus
-from watchdogd.linux import aio as _aio
 from watchdogd.linux.plugins import LOGS_SPECS_GROUP, has_entry_point, not_found
 from watchdogd_client.groups import C10dConf, GroupSpec, GroupState
 
@@ -360,102 +353,27 @@ def run(args: argparse.Namespace, config: Config) -> int:
     except ValueError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
         return EXIT_USAGE
-    timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")
-    if timer_file and config.fifo is None:
-        config = msgspec.structs.replace(config, fifo=timer_file)  # serve torch's path
     if args.event_log:
         config = msgspec.structs.replace(config, event_log=args.event_log)
     if args.event_log_handler != "null":
         config = msgspec.structs.replace(config, event_log_handler=args.event_log_handler)
-    health_port = os.environ.get("TORCHELASTIC_HEALTH_CHECK_PORT")
-    if health_port and config.metrics_listen is None:
-        config = msgspec.structs.replace(config, metrics_listen=health_port)
-    runtime_dir = None
-    if config.runtime_dir is None and config.socket is None:
-        # A private timer service, so that it never collides with the node's daemon.
-        runtime_dir = Path(tempfile.mkdtemp(prefix="watchdogd-run-"))
-        config = msgspec.structs.replace(config, runtime_dir=str(runtime_dir))
-    if config.state_dir is None:
-        # Stack dumps of hung workers outlive the run: next to the logs, or in /tmp.
-        state_dir = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
-        config = msgspec.structs.replace(config, state_dir=str(state_dir) if state_dir else None)
     try:
-        daemon = Daemon(config)
+        outcome = run_group(config, spec, signals=signals)
     except ConfigError as e:
-        if runtime_dir is not None:
-            shutil.rmtree(runtime_dir)
         print(f"watchdogd run: {e}", file=sys.stderr)
         return EXIT_USAGE
-    outcome: dict[str, GroupState | int] = {}
-    try:
-        _aio.run(partial(_run_group, daemon, spec, signals, outcome))
-    finally:
-        dumps = daemon.stacks.list() if daemon.stacks.directory.is_dir() else []
-        if dumps:
-            print(
-                f"watchdogd run: stacks of hung workers in {daemon.stacks.directory}",
-                file=sys.stderr,
-            )
-        if runtime_dir is not None:
-            if dumps:
-                for leftover in runtime_dir.iterdir():
-                    if leftover.name != "dumps":
-                        leftover.unlink()
-            else:
-                shutil.rmtree(runtime_dir)
-    if "error" in outcome:
+    if outcome.dumps is not None:
+        print(f"watchdogd run: stacks of hung workers in {outcome.dumps}", file=sys.stderr)
+    if outcome.error is not None:
+        print(f"watchdogd run: {outcome.error}", file=sys.stderr)
         return EXIT_USAGE
-    runner = daemon.supervisor.groups[spec.name]
-    state = outcome.get("state", runner.state)
-    assert isinstance(state, GroupState)
-    if "signal" in outcome:
-        name = signal.Signals(int(outcome["signal"])).name
-        print(f"watchdogd run: {name} received, passed to the workers; group {state.value}",
+    assert outcome.runner is not None and outcome.state is not None
+    if outcome.signal is not None:
+        name = signal.Signals(outcome.signal).name
+        print(f"watchdogd run: {name} received, passed to the workers; group {outcome.state.value}",
               file=sys.stderr)  # fmt: skip
         return EXIT_FAILED
-    if state is GroupState.SUCCEEDED:
+    if outcome.state is GroupState.SUCCEEDED:
         return 0
-    print(summarize(runner, state), file=sys.stderr)
+    print(summarize(outcome.runner, outcome.state), file=sys.stderr)
     return EXIT_FAILED
-
-
-async def _run_group(
-    daemon: Daemon,
-    spec: GroupSpec,
-    signals: list[signal.Signals],
-    outcome: dict[str, GroupState | int],
-) -> None:
-    done = anyio.Event()
-
-    def finished(runner: GroupRunner, state: GroupState) -> None:
-        outcome["state"] = state
-        done.set()
-
-    async def forward_signals(received: AsyncIterator[signal.Signals]) -> None:
-        """Each signal to the workers; the group stops, and the run ends once it has."""
-        async for signum in received:
-            outcome.setdefault("signal", signum)
-            try:
-                daemon.supervisor.get(spec.name).signalled(signum)
-            except GroupError:  # not started, or over: nobody to pass it to
-                done.set()
-
-    async def until_done(received: AsyncIterator[signal.Signals]) -> None:
-        async with anyio.create_task_group() as tg:
-            if signals:
-                tg.start_soon(forward_signals, received)
-            await done.wait()
-            tg.cancel_scope.cancel()
-
-    daemon.supervisor.on_finished = finished
-    # Taken before anything is served: once the health port answers, a signal is
-    # the group's to handle, never the default action that would kill the run.
-    with anyio.open_signal_receiver(*signals) as received:
-        async with anyio.create_task_group() as tg:
-            await tg.start(partial(daemon.serve, shutdown_trigger=partial(until_done, received)))
-            try:
-                daemon.supervisor.submit(spec)
-            except GroupError as e:
-                print(f"watchdogd run: {e}", file=sys.stderr)
-                outcome["error"] = 1
-                done.set()

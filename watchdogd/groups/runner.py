@@ -27,10 +27,8 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import time
-from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -57,9 +55,9 @@ from watchdogd.core.workerenv import (
 )
 from watchdogd.groups.logs_specs import CustomLogsSpecs
 from watchdogd.groups.rendezvous import open_rendezvous
+from watchdogd.groups.starters import CommandStarter, WorkerProcess, WorkerStarter
 from watchdogd.groups.worker_logs import StreamCopier, Target, open_target, start_copier
 from watchdogd.linux import aio
-from watchdogd.linux.numa import bound_to
 from watchdogd.linux.procs import read_stat
 from watchdogd_client.events import RdzvEvent
 from watchdogd_client.groups import Failure, GroupInfo, GroupSpec, GroupState, WorkerInfo
@@ -146,13 +144,13 @@ def describe_exit(exitcode: int) -> str:
 
 
 class _Worker:
-    def __init__(self, local_rank: int, rank: int, attempt: int, popen: subprocess.Popen[bytes]):
+    def __init__(self, local_rank: int, rank: int, attempt: int, process: WorkerProcess):
         self.local_rank = local_rank
         self.rank = rank
         self.attempt = attempt
-        self.popen = popen
-        self.pid = popen.pid
-        self.pidfd = os.pidfd_open(popen.pid)
+        self.process = process
+        self.pid = process.pid
+        self.pidfd = os.pidfd_open(process.pid)
         self.exitcode: int | None = None
         self.exited = anyio.Event()
         self.started = time.time()
@@ -170,8 +168,10 @@ class GroupRunner:
         endpoints: Endpoints,
         workers: WorkerIndex,
         hardware: Hardware,
+        starter: WorkerStarter | None = None,
     ) -> None:
         self.spec = spec
+        self.starter = starter if starter is not None else CommandStarter(spec)
         self.events = events
         self.endpoints = endpoints
         self.index = workers
@@ -183,6 +183,8 @@ class GroupRunner:
         self.workers: dict[int, _Worker] = {}
         self.copiers: list[StreamCopier] = []
         self.last_failure: Failure | None = None
+        self.attempt_failures: dict[int, Failure] = {}
+        """The workers of the latest attempt that failed on their own, by local rank."""
         self.started_at = time.time()
         self.hostname = socket.gethostname()
         self.placement: Placement | None = None
@@ -446,6 +448,7 @@ class GroupRunner:
         placement, restart_count = await self.rendezvous.next_round(restart_count)
         self.placement = placement
         self.workers = {}
+        self.attempt_failures = {}
         base = dict(os.environ)
         envs = {
             local_rank: worker_env(
@@ -532,36 +535,32 @@ class GroupRunner:
         """Start one worker on its opened streams, which are closed or handed on either way."""
         cpus = self.cpus.get(local_rank) if self.cpus is not None else None
         try:
-            with bound_to(cpus) if cpus is not None else nullcontext():
-                popen = subprocess.Popen(
-                    self.spec.entrypoint,
-                    env=env,
-                    cwd=self.spec.cwd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=targets[0].popen,
-                    stderr=targets[1].popen,
-                    start_new_session=True,
-                )
-        except OSError as e:
+            started = self.starter.start(local_rank, attempt, env, targets, cpus)
+        except (OSError, GroupError) as e:
             for target in targets:
                 target.close()
+            why = e.strerror if isinstance(e, OSError) else e
             raise GroupError(
-                f"group {self.spec.name}: cannot start {self.spec.entrypoint[0]!r}: {e.strerror}"
+                f"group {self.spec.name}: cannot start {self.spec.entrypoint[0]!r}: {why}"
             ) from None
         prefix = log_prefix(self.spec, local_rank, rank, self.hostname).encode()
-        for route, target, pipe in zip(routes, targets, (popen.stdout, popen.stderr), strict=True):
-            if pipe is not None:
-                self.copiers.append(start_copier(pipe, target, route, prefix))
+        for route, target, fd in zip(routes, targets, started[1:], strict=True):
+            if fd is not None:
+                self.copiers.append(start_copier(fd, target, route, prefix))
             else:
                 target.close()  # the worker holds its own descriptor
-        return _Worker(local_rank, rank, attempt, popen)
+        return _Worker(local_rank, rank, attempt, started.process)
 
     def _signal(self, worker: _Worker, signum: int) -> None:
         if worker.exitcode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            # The worker is not reaped yet, so its pid still names its process group.
+        # The worker is not reaped yet, so its pid still names it, and its process
+        # group once it leads one (a callable's worker makes its own as it starts).
+        try:
             os.killpg(worker.pid, signum)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signum)
 
     def _on_pidfd(self, worker: _Worker) -> None:
         # Still a zombie: its process group id cannot be reused yet.
@@ -581,7 +580,7 @@ class GroupRunner:
         with contextlib.suppress(ValueError, OSError):
             aio.unwatch(worker.pidfd)
             os.close(worker.pidfd)
-        worker.exitcode = worker.popen.wait() if exited else worker.popen.poll()
+        worker.exitcode = worker.process.wait() if exited else worker.process.poll()
         if worker.exitcode is None:
             log.warning("worker pid %d did not exit after SIGKILL; left behind", worker.pid)
         self.index.remove(worker.pid)
@@ -624,7 +623,7 @@ class GroupRunner:
         }
 
     def _record_failure(self, worker: _Worker, exitcode: int, reason: str) -> None:
-        self.last_failure = Failure(
+        self.last_failure = self.attempt_failures[worker.local_rank] = Failure(
             local_rank=worker.local_rank,
             rank=worker.rank,
             pid=worker.pid,

@@ -19,6 +19,7 @@ import anyio.abc
 from watchdogd.core.ports import EventSink, GroupError, Hardware
 from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd.groups.runner import Endpoints, GroupRunner, WorkerIndex
+from watchdogd.groups.starters import WorkerStarter
 from watchdogd.linux.numa import NodeHardware
 from watchdogd_client.groups import GroupInfo, GroupSpec, GroupState
 
@@ -42,8 +43,11 @@ class Supervisor:
     def attach(self, task_group: anyio.abc.TaskGroup) -> None:
         self._task_group = task_group
 
-    def submit(self, spec: GroupSpec) -> GroupRunner:
-        """Start a group; GroupError if its name is running already or the spec cannot run."""
+    def submit(self, spec: GroupSpec, starter: WorkerStarter | None = None) -> GroupRunner:
+        """Start a group; GroupError if its name is running already or the spec cannot run.
+
+        ``starter`` starts its workers (None: each is the spec's command).
+        """
         existing = self.groups.get(spec.name)
         if existing is not None and not existing.finished.is_set():
             raise GroupError(f"group {spec.name!r} is already running ({existing.state.value})")
@@ -59,6 +63,7 @@ class Supervisor:
             endpoints=self.endpoints,
             workers=self.workers,
             hardware=self.hardware,
+            starter=starter,
         )
         self.groups[spec.name] = runner
         self._task_group.start_soon(self._run, runner, name=f"group {spec.name}")

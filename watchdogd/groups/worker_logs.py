@@ -348,12 +348,8 @@ class StreamCopier:
         self._write_failed = True
 
 
-def start_copier(
-    pipe: IO[bytes], target: Target, route: StreamRoute, prefix: bytes
-) -> StreamCopier:
-    """Take over ``Popen``'s pipe end and copy it from the event loop into ``target``'s files."""
-    fd = os.dup(pipe.fileno())
-    pipe.close()
+def start_copier(fd: int, target: Target, route: StreamRoute, prefix: bytes) -> StreamCopier:
+    """Copy the read end ``fd`` of a worker's pipe (now the copier's) into ``target``'s files."""
     os.set_blocking(fd, False)
     shown = console(route.name) if route.console != "none" else None
     return StreamCopier(fd, route, prefix, shown, file=target.file, filtered=target.filtered)

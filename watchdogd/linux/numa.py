@@ -88,8 +88,14 @@ def read_topology(
 
 
 @contextmanager
-def bound_to(cpus: frozenset[int]) -> Iterator[None]:
-    """Run the block with the calling thread bound to ``cpus``: what it forks stays bound."""
+def bound_to(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Run the block with the calling thread bound to ``cpus``: what it forks stays bound.
+
+    None: as it is.
+    """
+    if cpus is None:
+        yield
+        return
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)
     try:

@@ -1,0 +1,51 @@
+"""Worker functions for the launcher tests: importable, so ``spawn`` can send them."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import watchdogd_client as wd
+
+
+def rank_and_args(*args: Any) -> tuple[int, int, tuple[Any, ...]]:
+    return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), args
+
+
+def fails_once(marker_dir: str) -> str:
+    """Rank 1 raises on the first attempt; every rank says which attempt it saw."""
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    Path(marker_dir, f"{os.environ['RANK']}-{attempt}").touch()
+    if os.environ["RANK"] == "1" and attempt == "0":
+        raise RuntimeError("rank 1 gives up on attempt 0")
+    return f"attempt {attempt}"
+
+
+def always_fails() -> None:
+    if os.environ["RANK"] == "1":
+        raise ValueError("the loss is NaN")
+    time.sleep(30)  # stopped by the group when rank 1 fails
+
+
+def hangs_once() -> int:
+    """Rank 0 hangs inside a timer on the first attempt: the daemon kills it."""
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    with wd.expires(after=0.5, scope="step"):
+        if os.environ["RANK"] == "0" and attempt == "0":
+            stuck_in_allreduce()
+    return int(attempt)
+
+
+def stuck_in_allreduce() -> None:
+    time.sleep(60)
+
+
+def unpicklable_result() -> Any:
+    return lambda: None
+
+
+def from_the_queue(queue: Any) -> str:
+    queue.put(int(os.environ["RANK"]))
+    return "sent"

@@ -1,0 +1,150 @@
+"""torch's launch API and agent over the group runner, with real processes.
+
+``elastic_launch`` and ``LocalElasticAgent`` run in this process (the
+group's loop in a thread of its own), and the workers are started by
+``multiprocessing``, as they would be in a user's script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from watchdogd.agent import LocalElasticAgent, RunResult, WorkerSpec, WorkerState
+from watchdogd.launcher import LaunchConfig, elastic_launch, launch_agent_async
+
+from . import launch_workers as workers
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config(nproc: int = 2, **fields: object) -> LaunchConfig:
+    fields.setdefault("max_restarts", 0)
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id="t", **fields)  # type: ignore[arg-type]
+
+
+def test_a_4_rank_callable_returns_each_ranks_value() -> None:
+    values = elastic_launch(config(4), workers.rank_and_args)("x", "${local_rank}", 3)
+    assert values == {r: (r, r, ("x", str(r), 3)) for r in range(4)}
+
+
+def test_a_rank_that_raises_is_restarted_and_the_restart_count_reaches_the_function(
+    tmp_path: Path,
+) -> None:
+    values = elastic_launch(config(2, max_restarts=1), workers.fails_once)(str(tmp_path))
+    assert values == {0: "attempt 1", 1: "attempt 1"}
+    assert {p.name for p in tmp_path.iterdir()} == {"0-0", "1-0", "0-1", "1-1"}
+
+
+def test_a_hung_rank_is_killed_with_its_stack_dumped_then_restarted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    started = time.monotonic()
+    values = elastic_launch(config(2, max_restarts=1), workers.hangs_once)()
+    assert values == {0: 1, 1: 1}
+    assert time.monotonic() - started < 30  # not the 60 s the rank slept
+    kept = [r.getMessage() for r in caplog.records if "stacks of hung workers" in r.getMessage()]
+    assert kept, caplog.text
+    dumps = Path(kept[0].rpartition(" in ")[2])
+    assert any("stuck_in_allreduce" in p.read_text() for p in dumps.iterdir())
+
+
+def test_past_max_restarts_torchs_child_failed_error_carries_the_traceback() -> None:
+    with pytest.raises(ChildFailedError) as caught:
+        elastic_launch(config(2, max_restarts=1), workers.always_fails)()
+    assert caught.value.name == "always_fails"
+    assert list(caught.value.failures) == [1]  # rank 0 was stopped by the group, not failed
+    failure = caught.value.failures[1]
+    assert failure.local_rank == 1 and failure.exitcode == 1
+    assert failure.message["message"] == "ValueError: the loss is NaN"  # torch's shape
+    assert "always_fails" in failure.message["extraInfo"]["py_callstack"]  # the traceback
+    assert 'raise ValueError("the loss is NaN")' in caught.value.format_msg()
+
+
+def test_what_cannot_be_sent_is_refused_before_anything_starts() -> None:
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="lambda"):
+        elastic_launch(config(2), lambda: 1)()
+    with pytest.raises(ValueError, match=r"start_method 'fork'.*spawn"):
+        elastic_launch(config(2, start_method="fork"), workers.rank_and_args)()
+    with pytest.raises(ValueError, match="metrics_cfg"):
+        elastic_launch(config(2, metrics_cfg={"a": "b"}), workers.rank_and_args)()
+    assert time.monotonic() - started < 5
+
+
+def test_a_return_value_that_cannot_be_pickled_is_that_ranks_error() -> None:
+    with pytest.raises(ChildFailedError) as caught:
+        elastic_launch(config(1), workers.unpicklable_result)()
+    message = caught.value.failures[0].message["message"]
+    assert "return value of local rank 0 cannot be pickled" in message
+
+
+def test_a_multiprocessing_queue_reaches_the_workers_under_forkserver() -> None:
+    queue = multiprocessing.get_context("forkserver").Queue()
+    values = elastic_launch(config(2, start_method="forkserver"), workers.from_the_queue)(queue)
+    assert values == {0: "sent", 1: "sent"}
+    assert sorted(queue.get(timeout=10) for _ in range(2)) == [0, 1]
+
+
+def test_a_program_entrypoint_returns_none_per_rank() -> None:
+    assert elastic_launch(config(2), "true")() == {0: None, 1: None}
+    with pytest.raises(ChildFailedError) as caught:
+        elastic_launch(config(1), "sh")("-c", "exit 3")
+    assert caught.value.failures[0].exitcode == 3
+
+
+def test_called_from_inside_a_running_event_loop() -> None:
+    async def main() -> tuple[dict[int, object], dict[int, object], int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        blocking = elastic_launch(config(1), workers.rank_and_args)()  # blocks, never nests
+        waited = await launch_agent_async(config(1), workers.rank_and_args, "a")
+        ticker.cancel()
+        return blocking, waited, ticks
+
+    blocking, waited, ticks = asyncio.run(main())
+    assert blocking == {0: (0, 0, ())} and waited == {0: (0, 0, ("a",))}
+    assert ticks > 10  # the loop went on while the async variant waited
+
+
+def test_the_agent_runs_a_spec_and_reports_a_run_result() -> None:
+    spec = WorkerSpec(
+        role="trainer", local_world_size=2, entrypoint=workers.rank_and_args, args=(5,)
+    )
+    result = LocalElasticAgent(spec, "spawn").run()  # the documentation's (spec, start_method)
+    assert result == RunResult(WorkerState.SUCCEEDED, {0: (0, 0, (5,)), 1: (1, 1, (5,))})
+    failing = WorkerSpec(
+        role="t", local_world_size=2, entrypoint=workers.always_fails, max_restarts=0
+    )
+    result = LocalElasticAgent(failing).run()
+    assert result.is_failed() and list(result.failures) == [1]
+    assert result.failures[1].message["message"] == "ValueError: the loss is NaN"
+
+
+@pytest.mark.parametrize("flavour", ["--torch", "--watchdogd"])
+def test_the_seed_timer_example_runs_with_torch_and_with_watchdogd(flavour: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples/seed_local_timer_agent.py"), flavour],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "local rank 1, attempt 0: hangs" in out.stdout
+    assert "local rank 1, attempt 1: done" in out.stdout
+    assert out.stdout.rstrip().endswith("{0: 0, 1: 1}")
+    assert "SUCCEEDED" in out.stdout

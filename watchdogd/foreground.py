@@ -1,0 +1,166 @@
+"""One worker group in the foreground, with a timer service of its own.
+
+What ``watchdogd run`` runs for its command line and ``watchdogd.launcher``
+for a Python call: a :class:`~watchdogd.daemon.Daemon` on a private
+runtime directory (so it never collides with the node's daemon), one group
+submitted to it, and the daemon stopped once the group is over. Stack dumps
+of hung workers outlive the run: beside the logs, or kept in the runtime
+directory, which is otherwise removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import anyio
+import msgspec
+from anyio.from_thread import start_blocking_portal
+
+from watchdogd.core.config import Config
+from watchdogd.core.ports import GroupError
+from watchdogd.daemon import Daemon
+from watchdogd.groups.runner import GroupRunner
+from watchdogd.groups.starters import WorkerStarter
+from watchdogd.linux import aio as _aio
+from watchdogd_client.groups import GroupSpec, GroupState
+
+__all__ = ["Outcome", "run_group"]
+
+
+@dataclass
+class Outcome:
+    """How the run ended."""
+
+    state: GroupState | None = None
+    """The group's final state (None: it never ran: see ``error``)."""
+    runner: GroupRunner | None = None
+    signal: int | None = None
+    """A handled signal that stopped the run."""
+    error: str | None = None
+    """Why the group could not be submitted."""
+    dumps: Path | None = None
+    """Where stacks of hung workers were kept, if there are any."""
+
+
+def _run_config(config: Config, spec: GroupSpec) -> tuple[Config, Path | None]:
+    """The config with a private runtime dir unless one is set; that dir, if made."""
+    timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")
+    if timer_file and config.fifo is None:
+        config = msgspec.structs.replace(config, fifo=timer_file)  # serve torch's path
+    health_port = os.environ.get("TORCHELASTIC_HEALTH_CHECK_PORT")
+    if health_port and config.metrics_listen is None:
+        config = msgspec.structs.replace(config, metrics_listen=health_port)
+    runtime_dir = None
+    if config.runtime_dir is None and config.socket is None:
+        runtime_dir = Path(tempfile.mkdtemp(prefix="watchdogd-run-"))
+        config = msgspec.structs.replace(config, runtime_dir=str(runtime_dir))
+    if config.state_dir is None:
+        state_dir = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
+        config = msgspec.structs.replace(config, state_dir=str(state_dir) if state_dir else None)
+    return config, runtime_dir
+
+
+def run_group(
+    config: Config,
+    spec: GroupSpec,
+    *,
+    signals: Sequence[signal.Signals] = (),
+    starter: WorkerStarter | None = None,
+    on_started: Callable[[Callable[[int], object]], None] | None = None,
+) -> Outcome:
+    """Run ``spec`` to its end; ConfigError (before anything runs) on a bad ``config``.
+
+    ``signals`` are taken on the loop, in this thread (the main one), passed
+    to the workers, and stop the group. With ``on_started`` the loop runs in
+    a thread of its own instead, in someone else's process (the daemon is
+    ``embedded``), and ``on_started`` gets a function that hands it a signal
+    from any thread.
+    """
+    config, runtime_dir = _run_config(config, spec)
+    try:
+        daemon = Daemon(config, embedded=on_started is not None)
+    except BaseException:
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir)
+        raise
+    group = _GroupRun(daemon, spec, starter)
+    try:
+        if on_started is None:
+            _aio.run(partial(group.serve, signals))
+        else:
+            with start_blocking_portal("asyncio", {"use_uvloop": True}) as portal:
+                on_started(lambda signum: portal.start_task_soon(group.signalled, signum))
+                portal.call(group.serve, ())
+    finally:
+        dumps = daemon.stacks.list() if daemon.stacks.directory.is_dir() else []
+        if dumps:
+            group.outcome.dumps = daemon.stacks.directory
+        if runtime_dir is not None:
+            if dumps:
+                for leftover in runtime_dir.iterdir():
+                    if leftover.name != "dumps":
+                        leftover.unlink()
+            else:
+                shutil.rmtree(runtime_dir)
+    outcome = group.outcome
+    if outcome.error is None:
+        outcome.runner = daemon.supervisor.groups[spec.name]
+        if outcome.state is None:
+            outcome.state = outcome.runner.state
+    return outcome
+
+
+class _GroupRun:
+    """The daemon serving one group until the group is over."""
+
+    def __init__(self, daemon: Daemon, spec: GroupSpec, starter: WorkerStarter | None) -> None:
+        self.daemon = daemon
+        self.spec = spec
+        self.starter = starter
+        self.outcome = Outcome()
+        self.done = anyio.Event()
+
+    async def signalled(self, signum: int) -> None:
+        """Pass ``signum`` to the workers; the group stops, and the run ends once it has."""
+        if self.outcome.signal is None:
+            self.outcome.signal = signum
+        try:
+            self.daemon.supervisor.get(self.spec.name).signalled(signum)
+        except GroupError:  # not started, or over: nobody to pass it to
+            self.done.set()
+
+    def _finished(self, runner: GroupRunner, state: GroupState) -> None:
+        self.outcome.state = state
+        self.done.set()
+
+    async def serve(self, signals: Sequence[signal.Signals]) -> None:
+        async def until_done(received: AsyncIterator[signal.Signals]) -> None:
+            async with anyio.create_task_group() as tg:
+                if signals:
+                    tg.start_soon(forward, received)
+                await self.done.wait()
+                tg.cancel_scope.cancel()
+
+        async def forward(received: AsyncIterator[signal.Signals]) -> None:
+            async for signum in received:
+                await self.signalled(signum)
+
+        self.daemon.supervisor.on_finished = self._finished
+        # Taken before anything is served: once the health port answers, a signal is
+        # the group's to handle, never the default action that would kill the run.
+        with anyio.open_signal_receiver(*signals) as received:
+            async with anyio.create_task_group() as tg:
+                serve = partial(self.daemon.serve, shutdown_trigger=partial(until_done, received))
+                await tg.start(serve)
+                try:
+                    self.daemon.supervisor.submit(self.spec, self.starter)
+                except GroupError as e:
+                    self.outcome.error = str(e)
+                    self.done.set()

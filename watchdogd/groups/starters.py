@@ -1,0 +1,210 @@
+"""How a group's workers come to be: a command (``Popen``) or a Python callable
+(``multiprocessing``, in the caller's process).
+
+The runner hands a starter each worker's environment and opened streams and
+gets back a :class:`WorkerProcess`; exits, signals, timers, dumps and
+restarts are the runner's and the same for both.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from string import Template
+from typing import Any, NamedTuple, Protocol
+
+from watchdogd.core.ports import GroupError
+from watchdogd.groups.callable_worker import InheritedFd, WorkerCall, run
+from watchdogd.groups.worker_logs import Target
+from watchdogd.linux.numa import bound_to
+from watchdogd_client.groups import GroupSpec
+
+__all__ = [
+    "CallableStarter",
+    "CommandStarter",
+    "Started",
+    "WorkerProcess",
+    "WorkerStarter",
+    "substitute_local_rank",
+]
+
+START_METHODS = ("spawn", "forkserver", "fork")
+
+
+class WorkerProcess(Protocol):
+    """A started worker: ``subprocess.Popen`` is one."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def wait(self) -> int:
+        """Its exit status, once its pidfd said it exited (negative: the signal)."""
+        ...
+
+    def poll(self) -> int | None: ...
+
+
+class Started(NamedTuple):
+    process: WorkerProcess
+    stdout: int | None
+    """The read end of its stdout pipe when the stream is piped (the runner's now)."""
+    stderr: int | None
+
+
+class WorkerStarter(Protocol):
+    def start(
+        self,
+        local_rank: int,
+        attempt: int,
+        env: dict[str, str],
+        streams: tuple[Target, Target],
+        cpus: frozenset[int] | None,
+    ) -> Started:
+        """Start one worker (OSError when it cannot be); ``streams`` stay the caller's."""
+        ...
+
+
+def substitute_local_rank(args: Sequence[Any], local_rank: int) -> list[Any]:
+    """``${local_rank}`` in each string argument, as torch's agent substitutes it."""
+    return [
+        Template(arg).safe_substitute(local_rank=str(local_rank)) if isinstance(arg, str) else arg
+        for arg in args
+    ]
+
+
+def _take(pipe: Any) -> int | None:
+    """``Popen``'s end of a pipe, as a descriptor of our own."""
+    if pipe is None:
+        return None
+    fd = os.dup(pipe.fileno())
+    pipe.close()
+    return fd
+
+
+class CommandStarter:
+    """Each worker is the spec's ``entrypoint`` command, in a session of its own."""
+
+    def __init__(self, spec: GroupSpec) -> None:
+        self.spec = spec
+
+    def start(
+        self,
+        local_rank: int,
+        attempt: int,
+        env: dict[str, str],
+        streams: tuple[Target, Target],
+        cpus: frozenset[int] | None,
+    ) -> Started:
+        with bound_to(cpus):
+            popen = subprocess.Popen(
+                substitute_local_rank(self.spec.entrypoint, local_rank),
+                env=env,
+                cwd=self.spec.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=streams[0].popen,
+                stderr=streams[1].popen,
+                start_new_session=True,
+            )
+        return Started(popen, _take(popen.stdout), _take(popen.stderr))
+
+
+class _Process:
+    """A ``multiprocessing`` worker as a :class:`WorkerProcess`."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self.process = process
+        self.pid: int = process.pid  # type: ignore[assignment]
+
+    def wait(self) -> int:
+        self.process.join()
+        return self.process.exitcode  # type: ignore[return-value]
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+
+class CallableStarter:
+    """Each worker runs ``function(*args)`` in a process ``multiprocessing`` starts here.
+
+    ``fork`` is refused: the runner's loop thread is alive in this process, and
+    forking a process with threads may leave the child holding a lock forever.
+    """
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        args: Sequence[Any],
+        start_method: str,
+        result_dir: Path,
+    ) -> None:
+        if start_method not in START_METHODS:
+            raise GroupError(f"start_method {start_method!r}: use spawn, forkserver or fork")
+        if start_method == "fork":
+            raise GroupError(
+                "start_method 'fork': the supervisor runs a thread in this process, and a "
+                "fork of a process with threads is unsafe; use 'spawn' (torch's default) "
+                "or 'forkserver'"
+            )
+        self.function = function
+        self.args = tuple(args)
+        self.context: Any = multiprocessing.get_context(start_method)
+        self.result_dir = result_dir
+
+    def result_path(self, attempt: int, local_rank: int) -> Path:
+        return self.result_dir / f"attempt_{attempt}-{local_rank}.pickle"
+
+    def start(
+        self,
+        local_rank: int,
+        attempt: int,
+        env: dict[str, str],
+        streams: tuple[Target, Target],
+        cpus: frozenset[int] | None,
+    ) -> Started:
+        ends: list[tuple[int | None, InheritedFd | None]] = []
+        try:
+            for target in streams:
+                ends.append(_child_stream(target))
+            call = WorkerCall(
+                self.function,
+                substitute_local_rank(self.args, local_rank),
+                env,
+                ends[0][1],
+                ends[1][1],
+                str(self.result_path(attempt, local_rank)),
+            )
+            process = self.context.Process(
+                target=run, args=(call,), name=f"local rank {local_rank}"
+            )
+            with bound_to(cpus):
+                try:
+                    process.start()  # spawn and forkserver pickle the call here
+                except (pickle.PicklingError, AttributeError, TypeError) as e:
+                    raise GroupError(f"the call cannot be sent to the worker: {e}") from None
+        except BaseException:
+            for ours, _ in ends:
+                if ours is not None:
+                    os.close(ours)
+            raise
+        finally:
+            for _, theirs in ends:
+                if theirs is not None:
+                    os.close(theirs.fd)
+        return Started(_Process(process), ends[0][0], ends[1][0])
+
+
+def _child_stream(target: Target) -> tuple[int | None, InheritedFd | None]:
+    """(the runner's read end, the child's descriptor) for one stream."""
+    if target.popen is subprocess.PIPE:
+        read, write = os.pipe()
+        return read, InheritedFd(write)
+    if target.popen is subprocess.DEVNULL:
+        return None, InheritedFd(os.open(os.devnull, os.O_WRONLY))
+    if target.popen is None:
+        return None, None  # the console, inherited
+    assert not isinstance(target.popen, int)
+    return None, InheritedFd(os.dup(target.popen.fileno()))

@@ -1,0 +1,525 @@
+"""torch's launch API over watchdogd's group runner: ``elastic_launch(config, entrypoint)(*args)``.
+
+The shapes are ``torch.distributed.launcher.api``'s: :class:`LaunchConfig`
+with torch 2.13's fields and defaults, :class:`elastic_launch` and
+:func:`launch_agent`. ``entrypoint`` is a callable (each worker runs
+``entrypoint(*args)``; the call returns ``{global_rank: return_value}`` for
+this node's ranks), or a program (a path or a name on ``PATH``, run as
+``[entrypoint, *args]``; the values are ``None``). ``${local_rank}`` in a
+string argument becomes the worker's local rank.
+
+Underneath is the group runner of ``watchdogd run``: torchrun's environment,
+timers and their kills, stack dumps, restarts, D-state, rendezvous and
+events. Its loop runs in a thread of its own, so a caller's event loop is
+never nested, and the call blocks until the job ends, as torch's does
+(:func:`launch_agent_async` waits without blocking the caller's loop). A
+callable's workers are started by ``multiprocessing`` in this process
+(``spawn``, torch's default, or ``forkserver``), so the caller's functions
+and arguments — a ``multiprocessing`` queue among them — reach them; they
+run as the caller, with the caller's environment plus torchrun's variables.
+
+Past ``max_restarts`` the call raises torch's own ``ChildFailedError`` when
+torch is importable (``except ChildFailedError`` and ``@record`` see what
+they expect), else :class:`ChildFailedError` of the same shape from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import logging
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from multiprocessing import reduction
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from watchdogd.cli.run import add_run_arguments, handled_signals, spec_from_args
+from watchdogd.core.config import Config
+from watchdogd.core.ports import GroupError
+from watchdogd.foreground import run_group
+from watchdogd.groups.starters import CallableStarter
+from watchdogd_client.groups import Failure, GroupState
+
+__all__ = [
+    "ChildFailedError",
+    "DefaultLogsSpecs",
+    "LaunchConfig",
+    "LaunchError",
+    "ProcessFailure",
+    "Result",
+    "Std",
+    "child_failed",
+    "elastic_launch",
+    "launch_agent",
+    "launch_agent_async",
+    "process_failures",
+    "run_launch",
+]
+
+log = logging.getLogger("watchdogd.launcher")
+
+_DEFAULT_RDZV_TIMEOUT = 900  # torch's
+
+
+@dataclass
+class LaunchConfig:
+    """torch 2.13's ``LaunchConfig``: the same fields, defaults and ``__post_init__``.
+
+    Differences: ``logs_specs`` may be None or torch's ``DefaultLogsSpecs``
+    (its ``log_dir``, ``redirects``, ``tee`` and ``local_ranks_filter`` are
+    honoured; None is torch's ``DefaultLogsSpecs()``: streams on the console);
+    ``metrics_cfg`` must stay empty; ``numa_options`` is not set for you when
+    CUDA is available (watchdogd never imports torch for it: set it, or
+    leave it None for no binding).
+    """
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    logs_specs: Any = None
+    run_id: str = ""
+    role: str = "default_role"
+    rdzv_endpoint: str = ""
+    rdzv_backend: str = "etcd"
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
+    rdzv_timeout: int = -1
+    max_restarts: int = 3
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    log_line_prefix_template: str | None = None
+    metrics_cfg: dict[str, str] = field(default_factory=dict)
+    local_addr: str | None = None
+    event_log_handler: str = "null"
+    numa_options: Any = None
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    duplicate_stdout_filters: list[str] | None = None
+    duplicate_stderr_filters: list[str] | None = None
+    virtual_local_rank: bool = False
+    shutdown_timeout: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rdzv_timeout != -1:
+            self.rdzv_configs["timeout"] = self.rdzv_timeout
+        elif "timeout" not in self.rdzv_configs:
+            self.rdzv_configs["timeout"] = _DEFAULT_RDZV_TIMEOUT
+        if self.shutdown_timeout is None:
+            self.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        elif self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
+
+
+# -- failures, in torch's shape --------------------------------------------------------
+
+
+@dataclass
+class ProcessFailure:
+    """torch's ``ProcessFailure``, for when torch is not installed."""
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    error_file: str
+    error_file_data: dict[str, Any] = field(init=False)
+    message: Any = field(init=False)
+    """As torch's: the error file's ``message`` (a dict holding the traceback), else a line."""
+    timestamp: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.error_file_data = {}
+        self.message = ""
+        self.timestamp = int(time.time())
+        with contextlib.suppress(OSError, msgspec.DecodeError, KeyError, TypeError, ValueError):
+            self.error_file_data = msgspec.json.decode(Path(self.error_file).read_bytes())
+            self.message = self.error_file_data["message"]
+            if isinstance(self.message, dict):
+                self.timestamp = int(self.message["extraInfo"]["timestamp"])
+            else:
+                self.timestamp = int(self.error_file_data.get("timestamp", 0))
+        if not self.message:
+            self.message = (
+                f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
+                if self.exitcode < 0
+                else "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+            )
+
+    def signal_name(self) -> str:
+        if self.exitcode < 0:
+            with contextlib.suppress(ValueError):
+                return signal.Signals(-self.exitcode).name
+            return "<Unknown>"
+        return "<N/A>"
+
+    def timestamp_isoformat(self) -> str:
+        return datetime.fromtimestamp(self.timestamp, tz=UTC).isoformat(sep="_")
+
+
+class ChildFailedError(Exception):
+    """torch's ``ChildFailedError``, for when torch is not installed (``failures``: by rank)."""
+
+    def __init__(self, name: str, failures: dict[int, ProcessFailure]) -> None:
+        self.name = name
+        self.failures = failures
+        super().__init__(self.format_msg())
+
+    def get_first_failure(self) -> tuple[int, ProcessFailure]:
+        rank = min(self.failures, key=lambda r: self.failures[r].timestamp)
+        return rank, self.failures[rank]
+
+    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+        root_rank, _ = self.get_first_failure()
+        lines = [f"{self.name} FAILED", boarder_delim * 60, "Failures:"]
+        others = [self._describe(r) for r in sorted(self.failures) if r != root_rank]
+        lines += others or ["  <NO_OTHER_FAILURES>"]
+        lines += [section_delim * 60, "Root Cause (first observed failure):"]
+        lines += [self._describe(root_rank), boarder_delim * 60]
+        return "\n".join(lines)
+
+    def _describe(self, rank: int) -> str:
+        failure = self.failures[rank]
+        message = failure.message
+        if isinstance(message, dict):  # the traceback, else the message
+            message = message.get("extraInfo", {}).get("py_callstack", message.get("message"))
+            message = str(message).replace("\n", "\n  ")
+        return (
+            f"[{rank}]:\n  time      : {failure.timestamp_isoformat()}\n"
+            f"  rank      : {rank} (local_rank: {failure.local_rank})\n"
+            f"  exitcode  : {failure.exitcode} (pid: {failure.pid})\n"
+            f"  error_file: {failure.error_file or '<N/A>'}\n  traceback : {message}"
+        )
+
+
+class LaunchError(RuntimeError):
+    """The group could not run at all (a rendezvous that failed, a worker that cannot start)."""
+
+
+def _torch_errors() -> tuple[Any, Any]:
+    """(ProcessFailure, ChildFailedError): torch's when torch is importable, else this module's."""
+    try:
+        from torch.distributed.elastic.multiprocessing import errors
+    except ImportError:
+        return ProcessFailure, ChildFailedError
+    return errors.ProcessFailure, errors.ChildFailedError
+
+
+def process_failures(failures: list[Failure]) -> dict[int, Any]:
+    """torch's ``ProcessFailure`` of each failed worker, by global rank."""
+    failure_type, _ = _torch_errors()
+    return {
+        f.rank: failure_type(
+            local_rank=f.local_rank, pid=f.pid, exitcode=f.exitcode, error_file=f.error_file or ""
+        )
+        for f in failures
+    }
+
+
+def child_failed(name: str, failures: list[Failure]) -> Exception:
+    """torch's ``ChildFailedError`` for these failures (this module's without torch)."""
+    _, error_type = _torch_errors()
+    return error_type(name=name, failures=process_failures(failures))  # type: ignore[no-any-return]
+
+
+# -- torch's log settings ---------------------------------------------------------------
+
+
+class Std(enum.IntFlag):
+    """torch's ``Std``: which streams ``redirects`` and ``tee`` take."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+class DefaultLogsSpecs:
+    """torch's ``DefaultLogsSpecs``, without torch: where the workers' logs go.
+
+    ``log_dir``: per-attempt, per-rank files (watchdogd's layout); None: only
+    error files, in a directory of the group's own. ``redirects`` sends
+    streams to files only, ``tee`` to files and the console;
+    ``local_ranks_filter`` keeps other ranks off the console.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        redirects: Std | dict[int, Std] = Std.NONE,
+        tee: Std | dict[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | None = None,
+    ) -> None:
+        # torch's attribute names: the launcher reads torch's DefaultLogsSpecs by them too.
+        self._root_log_dir = log_dir
+        self._redirects = redirects
+        self._tee = tee
+        self._local_ranks_filter = local_ranks_filter
+
+    @property
+    def root_log_dir(self) -> str | None:
+        return self._root_log_dir
+
+
+# -- the config as watchdogd run's flags ------------------------------------------------
+
+
+def _std(value: Any) -> str:
+    """torch's ``Std`` (or a map of local rank to ``Std``) as a ``--redirects`` value."""
+    if isinstance(value, dict):
+        return ",".join(f"{rank}:{int(std)}" for rank, std in sorted(value.items()))
+    return str(int(value))
+
+
+def _logs_flags(logs_specs: Any) -> list[str]:
+    if logs_specs is None:
+        return []
+    kind = type(logs_specs)
+    torchs = kind.__name__ == "DefaultLogsSpecs" and kind.__module__.startswith("torch.")
+    if not torchs and kind is not DefaultLogsSpecs:
+        raise ValueError(
+            f"logs_specs: a {kind.__name__} cannot be honoured here, only torch's "
+            "DefaultLogsSpecs (its log_dir, redirects, tee, local_ranks_filter) or None"
+        )
+    # torch's own attributes: DefaultLogsSpecs offers no public accessor for them.
+    flags = ["--redirects", _std(logs_specs._redirects), "--tee", _std(logs_specs._tee)]
+    if logs_specs._root_log_dir is not None:
+        flags += ["--log-dir", logs_specs._root_log_dir]
+    if logs_specs._local_ranks_filter:
+        flags += [
+            "--local-ranks-filter",
+            ",".join(map(str, sorted(logs_specs._local_ranks_filter))),
+        ]
+    return flags
+
+
+def _single_node(config: LaunchConfig) -> bool:
+    """One node on a store of its own: nobody to meet, so no rendezvous server to run."""
+    host = config.rdzv_endpoint.rpartition(":")[0] or config.rdzv_endpoint
+    return config.max_nodes == 1 and host in ("", "localhost", "127.0.0.1", "::1")
+
+
+def _flags(config: LaunchConfig) -> list[str]:
+    """``watchdogd run``'s flags for ``config`` (ValueError names a field it cannot honour)."""
+    if config.metrics_cfg:
+        raise ValueError("metrics_cfg: torch's metrics handlers are not supported; use /metrics")
+    flags = ["--nnodes", f"{config.min_nodes}:{config.max_nodes}"]
+    flags += ["--nproc-per-node", str(config.nproc_per_node)]
+    flags += ["--max-restarts", str(config.max_restarts), "--role", config.role]
+    flags += ["--rdzv-id", config.run_id, "--monitor-interval", str(config.monitor_interval)]
+    conf = dict(config.rdzv_configs)
+    if _single_node(config):
+        flags.append("--standalone")
+    else:
+        flags += ["--rdzv-backend", config.rdzv_backend, "--rdzv-endpoint", config.rdzv_endpoint]
+        if config.rdzv_backend == "static":
+            flags += ["--node-rank", str(conf.pop("rank", 0))]
+        if config.rdzv_backend == "c10d" and conf.get("timeout") == _DEFAULT_RDZV_TIMEOUT:
+            del conf["timeout"]  # __post_init__'s, which torch's c10d backend never reads
+        if config.rdzv_backend != "static" and conf:
+            flags += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
+    if config.local_addr:
+        flags += ["--local-addr", config.local_addr]
+    if config.log_line_prefix_template is not None:
+        flags += ["--log-line-prefix-template", config.log_line_prefix_template]
+    if config.numa_options is not None:
+        flags += ["--numa-binding", str(config.numa_options.affinity_mode.value)]
+    for name, filters in (
+        ("--duplicate-stdout-filters", config.duplicate_stdout_filters),
+        ("--duplicate-stderr-filters", config.duplicate_stderr_filters),
+    ):
+        if filters:
+            flags += [name, ",".join(filters)]
+    if config.virtual_local_rank:
+        flags.append("--virtual-local-rank")
+    flags += ["--shutdown-timeout", str(config.shutdown_timeout)]
+    flags += ["--signals-to-handle", config.signals_to_handle]
+    return flags + _logs_flags(config.logs_specs)
+
+
+def _entrypoint_name(entrypoint: Callable[..., Any] | str) -> str:
+    if isinstance(entrypoint, str):
+        return entrypoint
+    return getattr(entrypoint, "__qualname__", None) or repr(entrypoint)
+
+
+def _check_callable(entrypoint: Callable[..., Any], start_method: str) -> None:
+    """A callable the workers cannot be sent is refused before anything starts."""
+    if start_method == "fork":
+        return
+    try:
+        reduction.ForkingPickler.dumps(entrypoint)
+    except Exception as e:
+        raise ValueError(
+            f"entrypoint {_entrypoint_name(entrypoint)!r} cannot be sent to workers started "
+            f"with {start_method!r} (it is pickled by reference: define it at the top level "
+            f"of an importable module, not as a lambda or a nested function): {e}"
+        ) from None
+
+
+# -- the call ---------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """How a launch ended: the group's final state, return values and failures by rank."""
+
+    name: str
+    state: GroupState
+    values: dict[int, Any]
+    failures: list[Failure]
+    reason: str | None
+    """Why the group could not run, when no worker failed."""
+
+
+def launch_agent(
+    config: LaunchConfig, entrypoint: Callable[..., Any] | str | None, args: list[Any]
+) -> dict[int, Any]:
+    """Run the job on this node; ``{global_rank: return_value}`` for its ranks.
+
+    Raises ``ChildFailedError`` past ``max_restarts``, :class:`LaunchError`
+    when the group cannot run, ValueError on a config or entrypoint it
+    cannot honour (before anything starts).
+    """
+    result = run_launch(config, entrypoint, args)
+    if result.state is GroupState.SUCCEEDED:
+        return result.values
+    if result.failures:
+        raise child_failed(result.name, result.failures)
+    raise LaunchError(result.reason or f"group {result.state.value}")
+
+
+def run_launch(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str | None,
+    args: list[Any],
+    *,
+    master: tuple[str | None, int | None] = (None, None),
+    **spec_fields: Any,
+) -> Result:
+    """Run the job on this node to its end; ``spec_fields`` are group spec fields beyond
+    the config's (the agent's ``exit_barrier_timeout``, …), ``master`` its fixed address."""
+    if entrypoint is None:
+        raise ValueError("entrypoint: a callable or a program, not None")
+    if not config.run_id:
+        config.run_id = str(uuid.uuid4().int)
+        log.warning("config has no run_id, generated a random run_id: %s", config.run_id)
+    parser = argparse.ArgumentParser(prog="watchdogd.launcher")
+    add_run_arguments(parser)
+    flags = _flags(config)
+    master_addr, master_port = master
+    if master_addr is not None:
+        flags += ["--master-addr", master_addr]
+    if master_port is not None:
+        flags += ["--master-port", str(master_port)]
+    signals = handled_signals(config.signals_to_handle)
+    spec = spec_from_args(parser.parse_args([*flags, "--no-python", "placeholder"]))
+    name = _entrypoint_name(entrypoint)
+    if isinstance(entrypoint, str):
+        command = [entrypoint, *map(str, args)]
+        spec = msgspec.structs.replace(spec, entrypoint=command, **spec_fields)
+        return _launch(config, spec, name, signals, None)
+    _check_callable(entrypoint, config.start_method)
+    described = [f"{entrypoint.__module__}:{name}"]
+    spec = msgspec.structs.replace(spec, entrypoint=described, **spec_fields)
+    results = Path(tempfile.mkdtemp(prefix="watchdogd-launch-"))
+    try:
+        try:
+            starter = CallableStarter(entrypoint, args, config.start_method, results)
+        except GroupError as e:
+            raise ValueError(str(e)) from None
+        return _launch(config, spec, name, signals, starter)
+    finally:
+        shutil.rmtree(results, ignore_errors=True)
+
+
+def _launch(
+    config: LaunchConfig,
+    spec: Any,
+    name: str,
+    signals: list[signal.Signals],
+    starter: CallableStarter | None,
+) -> Result:
+    daemon_config = Config(event_log_handler=config.event_log_handler)
+    with _signals_forwarded(signals) as forward:
+        outcome = run_group(daemon_config, spec, starter=starter, on_started=forward)
+    if outcome.dumps is not None:
+        log.warning("stacks of hung workers in %s", outcome.dumps)
+    if outcome.error is not None:
+        raise LaunchError(outcome.error)
+    runner = outcome.runner
+    assert runner is not None and outcome.state is not None
+    if outcome.state is not GroupState.SUCCEEDED:
+        failure = runner.last_failure
+        reason = failure.reason if failure is not None else None
+        return Result(name, outcome.state, {}, list(runner.attempt_failures.values()), reason)
+    values: dict[int, Any] = {}
+    for worker in runner.workers.values():
+        if starter is not None:
+            path = starter.result_path(worker.attempt, worker.local_rank)
+            values[worker.rank] = pickle.loads(path.read_bytes())
+        else:
+            values[worker.rank] = None
+    return Result(name, outcome.state, values, [], None)
+
+
+@contextlib.contextmanager
+def _signals_forwarded(
+    signals: list[signal.Signals],
+) -> Iterator[Callable[[Callable[[int], object]], None]]:
+    """Take ``signals`` in the main thread for the group, as torch's agent does.
+
+    The group's loop runs in a thread of its own, where no signal arrives:
+    the main thread's handler passes each one on. From another thread the
+    caller's handlers stay as they are.
+    """
+    target: list[Callable[[int], object]] = []
+
+    def connect(signalled: Callable[[int], object]) -> None:
+        target.append(signalled)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield connect
+        return
+    previous = {}
+    for signum in signals:
+        previous[signum] = signal.signal(signum, lambda s, _: [f(s) for f in target])
+    try:
+        yield connect
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class elastic_launch:  # noqa: N801 - torch's name
+    """``elastic_launch(config, entrypoint)(*args)``: :func:`launch_agent`, as torch spells it."""
+
+    def __init__(self, config: LaunchConfig, entrypoint: Callable[..., Any] | str | None) -> None:
+        self._config = config
+        self._entrypoint = entrypoint
+
+    def __call__(self, *args: Any) -> dict[int, Any]:
+        return launch_agent(self._config, self._entrypoint, list(args))
+
+
+async def launch_agent_async(
+    config: LaunchConfig, entrypoint: Callable[..., Any] | str | None, *args: Any
+) -> dict[int, Any]:
+    """:func:`launch_agent` awaited from an event loop, which goes on meanwhile.
+
+    The job runs to its end: cancelling the caller waits for it.
+    """
+    call = partial(launch_agent, config, entrypoint, list(args))
+    return await anyio.to_thread.run_sync(call)
