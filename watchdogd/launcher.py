@@ -461,6 +461,10 @@ def _launch(
         raise LaunchError(outcome.error)
     runner = outcome.runner
     assert runner is not None and outcome.state is not None
+    if outcome.signal is not None:  # torch's agent raises its SignalException
+        received = signal.Signals(outcome.signal).name
+        state = outcome.state.value
+        raise LaunchError(f"{received} received, passed to the workers; group {state}")
     if outcome.state is not GroupState.SUCCEEDED:
         failure = runner.last_failure
         reason = failure.reason if failure is not None else None

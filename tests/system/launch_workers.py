@@ -49,3 +49,7 @@ def unpicklable_result() -> Any:
 def from_the_queue(queue: Any) -> str:
     queue.put(int(os.environ["RANK"]))
     return "sent"
+
+
+def sleeps() -> None:
+    time.sleep(60)

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.multiprocessing import errors
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from watchdogd import launcher
 from watchdogd.agent import LocalElasticAgent, RunResult, WorkerSpec, WorkerState
-from watchdogd.launcher import LaunchConfig, elastic_launch, launch_agent_async
+from watchdogd.launcher import LaunchConfig, LaunchError, elastic_launch, launch_agent_async
 
 from . import launch_workers as workers
 
@@ -148,3 +153,33 @@ def test_the_seed_timer_example_runs_with_torch_and_with_watchdogd(flavour: str)
     assert "local rank 1, attempt 1: done" in out.stdout
     assert out.stdout.rstrip().endswith("{0: 0, 1: 1}")
     assert "SUCCEEDED" in out.stdout
+
+
+def test_without_torch_the_failure_has_torchs_shape(tmp_path: Path) -> None:
+    error_file = tmp_path / "error.json"
+    error_file.write_text(
+        '{"message": {"message": "ValueError: nan", "extraInfo": '
+        '{"py_callstack": "Traceback ...\\nValueError: nan\\n", "timestamp": "1700000000"}}}'
+    )
+    ours = launcher.ProcessFailure(local_rank=1, pid=42, exitcode=1, error_file=str(error_file))
+    theirs = errors.ProcessFailure(local_rank=1, pid=42, exitcode=1, error_file=str(error_file))
+    for field in ("message", "timestamp", "error_file_data"):
+        assert getattr(ours, field) == getattr(theirs, field)
+    killed = launcher.ProcessFailure(local_rank=0, pid=7, exitcode=-9, error_file="")
+    assert killed.message == "Signal 9 (SIGKILL) received by PID 7"
+    error = launcher.ChildFailedError("train", {3: ours, 2: killed})
+    assert error.get_first_failure()[0] == 3  # the earlier timestamp
+    text = error.format_msg()
+    assert text.startswith("train FAILED")
+    assert "rank      : 3 (local_rank: 1)" in text and "ValueError: nan" in text
+    assert "Signal 9 (SIGKILL)" in text
+
+
+def test_a_handled_signal_reaches_the_workers_and_ends_the_call() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match="SIGTERM received, passed to the workers"):
+        elastic_launch(config(2, signals_to_handle="SIGTERM"), workers.sleeps)()
+    assert time.monotonic() - started < 30
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
