@@ -8,7 +8,8 @@ standard library, so each spawned worker pays only what its launcher makes
 it import (torch's workers start in torch's own bootstrap, which imports
 torch). Usage::
 
-    python bench/bench_launch.py [--nproc 4] [--runs 10] [--json out.json]
+    python bench/bench_launch.py [--nproc 4] [--runs 10] [--worker-imports-torch]
+                                 [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ def trivial() -> int:
     return int(os.environ["RANK"])
 
 
+def trivial_with_torch() -> int:
+    """As a real trainer's function, whose module imports torch: every worker pays for it."""
+    import torch  # noqa: F401
+
+    return int(os.environ["RANK"])
+
+
 def _timed(launch: Callable[[], dict[int, Any]], nproc: int) -> float:
     started = time.perf_counter()
     values = launch()
@@ -38,6 +46,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument(
+        "--worker-imports-torch", action="store_true", help="the function imports torch"
+    )
     parser.add_argument("--json", help="write the samples here")
     args = parser.parse_args()
 
@@ -55,12 +66,16 @@ def main() -> None:
             rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
         )  # fmt: skip
 
+    function = trivial_with_torch if args.worker_imports_torch else trivial
     samples: dict[str, list[float]] = {"watchdogd": [], "torch": []}
     for _ in range(args.runs):
-        samples["watchdogd"].append(_timed(ours.elastic_launch(config(ours), trivial), args.nproc))
-        torch_launch = torch_api.elastic_launch(config(torch_api), trivial)
+        samples["watchdogd"].append(_timed(ours.elastic_launch(config(ours), function), args.nproc))
+        torch_launch = torch_api.elastic_launch(config(torch_api), function)
         samples["torch"].append(_timed(torch_launch, args.nproc))
-    print(f"start → return, {args.nproc} ranks, {args.runs} runs each (spawn, one node)")
+    print(
+        f"start → return of {function.__name__}, {args.nproc} ranks, {args.runs} runs each "
+        "(spawn, one node)"
+    )
     print(f"{'launcher':<10} {'median':>9} {'min':>9} {'max':>9}")
     for name, values in samples.items():
         print(

@@ -55,27 +55,30 @@ class GroupState(enum.StrEnum):
 
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class C10dConf(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The ``--rdzv-conf`` keys torch's c10d backend reads, handed to torch as they are.
+    """The ``--rdzv-conf`` keys torch's c10d backend reads, handed to torch.
 
-    Whole seconds, as torch parses them; None leaves torch's default (in brackets).
+    torch parses them as whole seconds: a fraction is rounded up to the next
+    one. None leaves torch's default (in brackets).
     """
 
-    join_timeout: PositiveInt | None = None
+    join_timeout: PositiveSeconds | None = None
     """How long a round may take to complete [600]."""
-    last_call_timeout: NonNegative | None = None
+    last_call_timeout: NonNegativeSeconds | None = None
     """How long a round with ``min_nodes`` waits for more [30]."""
-    close_timeout: PositiveInt | None = None
+    close_timeout: PositiveSeconds | None = None
     """How long closing the rendezvous may take [30]."""
-    heartbeat_timeout: PositiveInt | None = None
+    heartbeat_timeout: PositiveSeconds | None = None
     """How long one keep-alive write may take [5]."""
-    keep_alive_interval: PositiveInt | None = None
+    keep_alive_interval: PositiveSeconds | None = None
     """Seconds between a node's keep-alive heartbeats [5]."""
     keep_alive_max_attempt: PositiveInt | None = None
     """Heartbeats a node may miss before the others drop it [3]."""
-    read_timeout: PositiveInt | None = None
+    read_timeout: PositiveSeconds | None = None
     """How long one call to the rendezvous store may take, connecting included [60]."""
     is_host: bool | None = None
     """Whether this node hosts the rendezvous store [None: when the endpoint is this machine]."""
@@ -110,8 +113,9 @@ class RendezvousSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Default: etcd, the route to etcd; c10d, this machine's FQDN (torch's choice).
     """
-    lease_ttl: Annotated[int, msgspec.Meta(ge=2)] = 10
-    """etcd: seconds after which a dead or cut-off node counts as lost."""
+    lease_ttl: Annotated[float, msgspec.Meta(ge=2)] = 10
+    """etcd: seconds after which a dead or cut-off node counts as lost (rounded up to
+    whole seconds, as etcd grants leases)."""
     last_call: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     """etcd: how long a round with enough nodes waits for more."""
     join_timeout: Annotated[float, msgspec.Meta(gt=0)] = 600.0

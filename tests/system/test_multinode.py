@@ -80,7 +80,7 @@ def node(
             "--local-addr",
             address,
             "--rdzv-conf",
-            "last_call_timeout=0.3,lease_ttl=2,join_timeout=20",
+            "last_call_timeout=0.3,lease_ttl=2.0,join_timeout=20.0",
             *extra,
             str(worker),
             str(out),

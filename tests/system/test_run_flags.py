@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.cli.run import add_run_arguments
+from watchdogd.cli.run import add_run_arguments, spec_from_args
+from watchdogd.groups.c10d_backend import _torch_conf_value
 
 from ..conftest import wait_until
 from ..conftest import watchdogd_run as run
@@ -369,3 +370,23 @@ def test_the_sigkill_grace_from_the_flag_or_torchs_variable(
         _, stderr = proc.communicate(timeout=10)  # 30 s of grace would time out here
     assert proc.returncode == 1, stderr
     assert "SIGTERM received, passed to the workers; group STOPPED" in stderr
+
+
+# -- durations in --rdzv-conf ------------------------------------------------------------
+
+
+def test_every_duration_in_rdzv_conf_takes_a_fraction() -> None:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+
+    def spec(*flags: str) -> object:
+        return spec_from_args(parser.parse_args([*flags, "--no-python", "true"])).rendezvous
+
+    etcd = spec("--rdzv-backend=etcd", "--rdzv-endpoint=h:2379",
+                "--rdzv-conf=lease_ttl=2.0,join_timeout=7.5,last_call_timeout=0.25")  # fmt: skip
+    assert (etcd.lease_ttl, etcd.join_timeout, etcd.last_call) == (2.0, 7.5, 0.25)  # type: ignore[attr-defined]
+    c10d = spec("--rdzv-backend=c10d", "--rdzv-conf=join_timeout=1.5,read_timeout=3.0,is_host=1")
+    conf = c10d.c10d  # type: ignore[attr-defined]
+    assert (conf.join_timeout, conf.read_timeout, conf.is_host) == (1.5, 3.0, True)
+    # torch parses whole seconds: a fraction goes up to the next.
+    assert [_torch_conf_value(v) for v in (1.5, 3.0, True)] == ["2", "3", "true"]

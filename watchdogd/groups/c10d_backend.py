@@ -33,6 +33,7 @@ As torch's agent does:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -86,6 +87,15 @@ _ERRORS: dict[str, type[RendezvousError]] = {
 }
 
 
+def _torch_conf_value(value: bool | float | str) -> str:
+    """A c10d setting as torch parses it: ``true``/``false``, whole seconds (rounded up)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return str(math.ceil(value))
+    return str(value)
+
+
 class C10dBackend:
     def __init__(self, spec: GroupSpec, on_event: Callable[[RdzvEvent], None]) -> None:
         rdzv = spec.rendezvous
@@ -120,7 +130,7 @@ class C10dBackend:
             if not ready.torch:
                 raise GroupError(f"group {self.spec.name}: {self._no_torch()}")
             conf = {
-                key: str(value).lower() if isinstance(value, bool) else str(value)
+                key: _torch_conf_value(value)
                 for key, value in msgspec.structs.asdict(rdzv.c10d).items()
                 if value is not None
             }
@@ -176,9 +186,9 @@ class C10dBackend:
         except HelperError as e:
             raise RendezvousError(f"{self._where}: {e}") from None
 
-    def _join_timeout(self) -> int:
+    def _join_timeout(self) -> float:
         configured = self.spec.rendezvous.c10d.join_timeout
-        return 600 if configured is None else configured  # torch's default
+        return 600 if configured is None else math.ceil(configured)  # torch's default
 
     def _event(self, name: str, message: str, state: NodeState, *, error: str = "") -> None:
         placed = self.round

@@ -20,6 +20,7 @@ nodes (the design's part 6, on
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from collections.abc import Callable
 from types import TracebackType
@@ -57,7 +58,7 @@ class EtcdBackend:
             rdzv.nnodes,
             node_name=socket.gethostname(),
             advertise_addr=self.advertise,
-            lease_ttl=rdzv.lease_ttl,
+            lease_ttl=math.ceil(rdzv.lease_ttl),  # etcd grants whole seconds
             last_call=rdzv.last_call,
             join_timeout=rdzv.join_timeout,
             exit_barrier_timeout=spec.exit_barrier_timeout,
