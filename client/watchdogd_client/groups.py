@@ -32,6 +32,7 @@ __all__ = [
     "GroupState",
     "RendezvousInfo",
     "RendezvousSpec",
+    "SpareInfo",
     "WorkerInfo",
 ]
 
@@ -183,6 +184,9 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     file_timer: bool = True
     """Hand workers ``TORCHELASTIC_TIMER_FILE`` (``TORCHELASTIC_ENABLE_FILE_TIMER=0``: don't)."""
+    prewarm: list[str] = []
+    """Modules a warm spare per local rank imports ahead of each attempt (Python
+    entrypoints only): a restart does not pay their imports again."""
     uninterruptible_state_timeout: Seconds | None = None
     """A worker in D state this long makes the group UNHEALTHY (None: not checked)."""
     rendezvous: RendezvousSpec = msgspec.field(default_factory=RendezvousSpec)
@@ -220,6 +224,16 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     exitcode: int | None = None
 
 
+class SpareInfo(msgspec.Struct, kw_only=True):
+    """A warm spare waiting to become a local rank's next worker."""
+
+    local_rank: int
+    pid: int
+    ready: bool
+    """Its modules are imported."""
+    rss_bytes: int | None = None
+
+
 class GroupInfo(msgspec.Struct, kw_only=True):
     name: str
     state: GroupState
@@ -228,5 +242,6 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     workers: list[WorkerInfo]
     last_failure: Failure | None = None
     rendezvous: RendezvousInfo | None = None
+    spares: list[SpareInfo] = []
     started_at: float
     """Wall-clock time of the first attempt."""

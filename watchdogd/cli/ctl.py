@@ -111,7 +111,7 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
 
 
 def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
-    """List worker groups: state, attempt, restarts left, workers, last failure."""
+    """List worker groups: state, attempt, restarts left, workers, warm spares, last failure."""
     groups = client.list_groups()
     if args.json:
         _print_json([msgspec.structs.asdict(g) for g in groups])
@@ -124,6 +124,11 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
         workers = " ".join(
             f"{w.local_rank}:{w.pid}" for w in sorted(group.workers, key=lambda w: w.local_rank)
         )
+        spares = " ".join(
+            f"{s.local_rank}:{s.pid}{'' if s.ready else ' warming'}"
+            + (f" {s.rss_bytes / 2**20:.0f}MiB" if s.rss_bytes is not None else "")
+            for s in group.spares
+        )
         failure = group.last_failure
         rows.append(
             (
@@ -132,10 +137,12 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
                 group.attempt,
                 group.restarts_left,
                 workers,
+                spares,
                 f"rank {failure.rank}: {failure.reason}" if failure else "",
             )
         )
-    headers = ["GROUP", "STATE", "ATTEMPT", "RESTARTS LEFT", "RANK:PID", "LAST FAILURE"]
+    headers = ["GROUP", "STATE", "ATTEMPT", "RESTARTS LEFT", "RANK:PID", "SPARES (RANK:PID RSS)",
+               "LAST FAILURE"]  # fmt: skip
     print(tabulate(rows, headers=headers))
 
 

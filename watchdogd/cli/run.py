@@ -101,6 +101,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     _flag(parser, "--monitor-interval", type=float, default=0.1,
           help="c10d: seconds between checks for waiting nodes (exits: at once)")  # fmt: skip
     _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
+    _flag(parser, "--prewarm", default="", metavar="MODULE[,MODULE…]",
+          help="keep a warm spare per local rank that has imported these (e.g. torch): "
+          "restarts skip the imports")  # fmt: skip
     _flag(parser, "--logs-specs", default=None, metavar="NAME",
           help="where workers' logs go: torch's 'default' (watchdogd's own layout), or a "
           "LogsSpecs class named in entry point group torchrun.logs_specs")  # fmt: skip
@@ -316,6 +319,7 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "shutdown_timeout": _shutdown_timeout(args.shutdown_timeout),
                 "duplicate_stdout_filters": _comma_list(args.duplicate_stdout_filters),
                 "duplicate_stderr_filters": _comma_list(args.duplicate_stderr_filters),
+                "prewarm": _comma_list(args.prewarm),
                 "rendezvous": rendezvous,
             },
             GroupSpec,

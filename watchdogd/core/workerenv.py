@@ -19,14 +19,18 @@ import msgspec
 from watchdogd_client.groups import GroupSpec
 
 __all__ = [
+    "ATTEMPT_VARIABLES",
     "LogsDest",
     "Placement",
+    "PythonCommand",
     "StreamRoute",
     "apply_env_knobs",
     "attempt_dir",
     "gpu_assignment",
     "group_devices",
     "log_prefix",
+    "python_command",
+    "rank_stable_env",
     "routes_from_logs_dest",
     "stream_routes",
     "worker_env",
@@ -318,3 +322,69 @@ def worker_env(
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     return env
+
+
+ATTEMPT_VARIABLES = frozenset(
+    {
+        "RANK",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_ERROR_FILE",
+    }
+)
+"""What each attempt decides anew (rendezvous, restarts): a warm spare learns it last."""
+
+
+def rank_stable_env(env: Mapping[str, str]) -> dict[str, str]:
+    """A worker's environment without what only the attempt knows: a spare starts with it."""
+    return {key: value for key, value in env.items() if key not in ATTEMPT_VARIABLES}
+
+
+# Interpreter options a spare is started with as the worker would be; others change
+# how a script is found or run, and are refused rather than half honoured.
+_PYTHON_OPTIONS = frozenset({"-u", "-B", "-O", "-OO", "-s", "-E", "-b", "-bb"})
+
+
+class PythonCommand(msgspec.Struct, frozen=True, kw_only=True):
+    """An entrypoint that starts Python on a script or a module."""
+
+    python: str
+    options: tuple[str, ...]
+    mode: Literal["script", "module"]
+    target: str
+    args: tuple[str, ...]
+
+
+def python_command(entrypoint: list[str]) -> PythonCommand:
+    """``PYTHON [OPTS] SCRIPT ARGS`` or ``PYTHON [OPTS] -m MODULE ARGS``; ValueError otherwise."""
+    python, *rest = entrypoint
+    if not Path(python).name.startswith("python"):
+        raise ValueError(f"{python!r} is not a Python interpreter (SCRIPT or -m MODULE is needed)")
+    options = []
+    while rest and rest[0].startswith("-") and rest[0] != "-m":
+        if rest[0] not in _PYTHON_OPTIONS:
+            raise ValueError(
+                f"interpreter option {rest[0]!r}: a spare takes only {sorted(_PYTHON_OPTIONS)}"
+            )
+        options.append(rest.pop(0))
+    if rest[:1] == ["-m"] and len(rest) > 1:
+        return PythonCommand(
+            python=python,
+            options=tuple(options),
+            mode="module",
+            target=rest[1],
+            args=tuple(rest[2:]),
+        )
+    if not rest:
+        raise ValueError("no script or -m MODULE after the interpreter")
+    return PythonCommand(
+        python=python, options=tuple(options), mode="script", target=rest[0], args=tuple(rest[1:])
+    )

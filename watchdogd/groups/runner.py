@@ -49,12 +49,15 @@ from watchdogd.core.workerenv import (
     gpu_assignment,
     group_devices,
     log_prefix,
+    python_command,
+    rank_stable_env,
     routes_from_logs_dest,
     stream_routes,
     worker_env,
 )
 from watchdogd.groups.logs_specs import CustomLogsSpecs
 from watchdogd.groups.rendezvous import open_rendezvous
+from watchdogd.groups.spares import SparePool
 from watchdogd.groups.starters import CommandStarter, WorkerProcess, WorkerStarter
 from watchdogd.groups.worker_logs import StreamCopier, Target, open_target, start_copier
 from watchdogd.linux import aio
@@ -171,7 +174,6 @@ class GroupRunner:
         starter: WorkerStarter | None = None,
     ) -> None:
         self.spec = spec
-        self.starter = starter if starter is not None else CommandStarter(spec)
         self.events = events
         self.endpoints = endpoints
         self.index = workers
@@ -188,6 +190,8 @@ class GroupRunner:
         self.started_at = time.time()
         self.hostname = socket.gethostname()
         self.placement: Placement | None = None
+        self.spares = self._spare_pool() if spec.prewarm and starter is None else None
+        self.starter: WorkerStarter = starter or self.spares or CommandStarter(spec)
         self.logs_specs = (
             CustomLogsSpecs(spec, spec.logs_specs) if spec.logs_specs is not None else None
         )
@@ -213,6 +217,41 @@ class GroupRunner:
         )
 
     # -- setup -------------------------------------------------------------------
+
+    def _spare_pool(self) -> SparePool:
+        try:
+            command = python_command(self.spec.entrypoint)
+        except ValueError as e:
+            raise GroupError(
+                f"group {self.spec.name}: prewarm needs a Python entrypoint: {e}"
+            ) from None
+        return SparePool(
+            self.spec.name,
+            command,
+            list(self.spec.prewarm),
+            events=self.events,
+            rank_env=self._spare_env,
+            cwd=self.spec.cwd,
+            cold=CommandStarter(self.spec),
+        )
+
+    def _spare_env(self, local_rank: int) -> dict[str, str]:
+        """What a spare for ``local_rank`` starts with: all a worker gets but the attempt's."""
+        unplaced = Placement(
+            group_rank=0, group_world_size=1, master_addr="", master_port=0, run_id=""
+        )
+        env = worker_env(
+            self.spec,
+            unplaced,
+            local_rank,
+            0,
+            base=dict(os.environ),
+            cuda_visible=self.gpus[local_rank],
+            socket_path=self.endpoints.socket_path,
+            fifo_path=self.endpoints.fifo_path,
+            error_path=Path(os.devnull),
+        )
+        return rank_stable_env(env)
 
     def _assign_gpus(self) -> dict[int, str | None]:
         try:
@@ -299,6 +338,7 @@ class GroupRunner:
             ],
             last_failure=self.last_failure,
             rendezvous=self.rendezvous.info(),
+            spares=self.spares.infos() if self.spares is not None else [],
             started_at=self.started_at,
         )
 
@@ -309,6 +349,8 @@ class GroupRunner:
         try:
             async with self.rendezvous, anyio.create_task_group() as tg:
                 tg.start_soon(self.rendezvous.watch, self._membership_changed)
+                if self.spares is not None:
+                    tg.start_soon(self.spares.keep_ready)
                 # Caught here, inside the task group, or it would leave wrapped in a group.
                 try:
                     final = await self._run_attempts()
@@ -323,6 +365,8 @@ class GroupRunner:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._kill_everything()
+                if self.spares is not None:
+                    await self.spares.aclose()
                 if self.logs_specs is not None:
                     await self.logs_specs.aclose()
             self._drop_run_dir()
@@ -445,6 +489,8 @@ class GroupRunner:
 
     async def _start_attempt(self, attempt: int, restart_count: int) -> None:
         await self._bind_numa()  # before rendezvous: a node that cannot start holds nobody up
+        if self.spares is not None:
+            self.spares.fill(self.spec.nproc, self.cpus)  # warming while the nodes meet
         placement, restart_count = await self.rendezvous.next_round(restart_count)
         self.placement = placement
         self.workers = {}

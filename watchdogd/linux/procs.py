@@ -23,6 +23,7 @@ __all__ = [
     "RunQueueClock",
     "ancestors",
     "open_process",
+    "read_rss",
     "read_stat",
 ]
 
@@ -65,6 +66,16 @@ class ProcessHandle(msgspec.Struct):
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+
+
+def read_rss(pid: int) -> int | None:
+    """Resident memory of ``pid`` in bytes (``/proc/PID/statm``); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            resident = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident * os.sysconf("SC_PAGE_SIZE")
 
 
 def read_stat(pid: int) -> Stat:

@@ -1,0 +1,305 @@
+"""Warm spares: one interpreter per local rank, its heavy imports done, waiting to be a worker.
+
+A group with ``prewarm = ["torch", …]`` keeps one spare per local rank
+(:mod:`watchdogd.groups.spare` is the spare's side). A spare is started
+with the rank-stable part of the worker's environment (its local rank,
+GPUs, CPUs, the timer endpoints, the user's variables) and imports the
+listed modules; when an attempt starts, :meth:`SparePool.start` hands it
+the attempt's environment and the worker's streams and it becomes the
+worker, so a restart does not pay the imports again. A consumed spare is
+replaced in the background; as root, replacements warm up at the lowest
+CPU priority (nice 19) and are put back at the daemon's own when assigned
+(an unprivileged daemon could not raise their priority back, so its
+spares warm up at its own). A spare that dies before it is assigned is
+reported and replaced (after a pause that doubles, up to a minute, while
+they keep dying). The first attempt takes the spares as they are, warm or
+not yet: a worker never waits for a spare it could not have started faster
+itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import anyio
+import msgspec
+
+from watchdogd.core.ports import EventSink
+from watchdogd.core.workerenv import PythonCommand
+from watchdogd.groups.spare import Assignment, Failed, Ready, Report
+from watchdogd.groups.starters import Started, WorkerStarter
+from watchdogd.groups.worker_logs import Target
+from watchdogd.linux import aio
+from watchdogd.linux.numa import bound_to
+from watchdogd.linux.procs import read_rss
+from watchdogd_client.framing import FrameSplitter, frame
+from watchdogd_client.groups import SpareInfo
+
+__all__ = ["SparePool"]
+
+log = logging.getLogger("watchdogd.supervisor")
+
+_LOWEST_PRIORITY = 19
+_SEND_TIMEOUT = 5.0
+_MAX_BACKOFF = 60.0
+
+
+class _Spare:
+    def __init__(self, local_rank: int, popen: subprocess.Popen[bytes], control: socket.socket):
+        self.local_rank = local_rank
+        self.popen = popen
+        self.control = control
+        self.pidfd = os.pidfd_open(popen.pid)
+        self.ready = False
+        self.failure: str | None = None
+        self.splitter = FrameSplitter(1 << 16)
+
+    def unwatch(self) -> None:
+        for fd in (self.pidfd, self.control.fileno()):
+            with contextlib.suppress(ValueError, OSError):
+                aio.unwatch(fd)
+
+    def close(self) -> None:
+        self.unwatch()
+        os.close(self.pidfd)
+        self.control.close()
+
+
+class SparePool:
+    """The group's spares; a :class:`WorkerStarter` that falls back to ``cold`` without one."""
+
+    def __init__(
+        self,
+        group: str,
+        command: PythonCommand,
+        modules: list[str],
+        *,
+        events: EventSink,
+        rank_env: Callable[[int], dict[str, str]],
+        cwd: str | None,
+        cold: WorkerStarter,
+    ) -> None:
+        self.group = group
+        self.command = command
+        self.modules = modules
+        self.events = events
+        self.rank_env = rank_env
+        self.cwd = cwd
+        self.cold = cold
+        self.nproc = 0
+        self.cpus: dict[int, frozenset[int]] | None = None
+        self.spares: dict[int, _Spare] = {}
+        self._backoff: dict[int, float] = {}
+        self._not_before: dict[int, float] = {}
+        self._wanted = anyio.Event()
+        self._closed = False
+        self._root = os.geteuid() == 0
+
+    # -- keeping them ready -------------------------------------------------------------
+
+    def fill(self, nproc: int, cpus: dict[int, frozenset[int]] | None) -> None:
+        """Start a spare for each local rank that has none (and is not pausing after deaths)."""
+        self.nproc, self.cpus = nproc, cpus
+        now = time.monotonic()
+        for local_rank in range(nproc):
+            if local_rank in self.spares or self._closed:
+                continue
+            if self._not_before.get(local_rank, 0.0) > now:
+                continue
+            try:
+                self.spares[local_rank] = self._start_spare(local_rank)
+            except OSError as e:
+                reason = f"cannot start {self.command.python!r}: {e.strerror}"
+                self.events.emit(
+                    "spare_failed", group=self.group, local_rank=local_rank, reason=reason
+                )
+                self._pause(local_rank)
+
+    async def keep_ready(self) -> None:
+        """Replace consumed and dead spares, in the background, for the group's life."""
+        while not self._closed:
+            with anyio.move_on_after(self._next_retry()):
+                await self._wanted.wait()
+            self._wanted = anyio.Event()
+            if self.nproc:
+                self.fill(self.nproc, self.cpus)
+
+    def _next_retry(self) -> float:
+        pending = [t - time.monotonic() for t in self._not_before.values()]
+        return max(0.0, min(pending)) if pending else float("inf")
+
+    def _pause(self, local_rank: int) -> None:
+        backoff = min(self._backoff.get(local_rank, 0.5) * 2, _MAX_BACKOFF)
+        self._backoff[local_rank] = backoff
+        self._not_before[local_rank] = time.monotonic() + backoff
+        self._wanted.set()
+
+    def _start_spare(self, local_rank: int) -> _Spare:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        command = [
+            self.command.python,
+            *self.command.options,
+            "-m",
+            "watchdogd.groups.spare",
+            str(theirs.fileno()),
+            *self.modules,
+        ]
+        cpus = self.cpus.get(local_rank) if self.cpus is not None else None
+        try:
+            with bound_to(cpus):
+                popen = subprocess.Popen(
+                    command,
+                    env=self.rank_env(local_rank),
+                    cwd=self.cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=sys.stderr.fileno(),  # an import's warnings, until it is a worker
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        if self._root:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, popen.pid, _LOWEST_PRIORITY)
+        ours.setblocking(False)
+        spare = _Spare(local_rank, popen, ours)
+        aio.watch_readable(spare.control.fileno(), lambda: self._on_report(spare))
+        aio.watch_readable(spare.pidfd, lambda: self._on_exit(spare))
+        return spare
+
+    def _on_report(self, spare: _Spare) -> None:
+        try:
+            data = spare.control.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            aio.unwatch(spare.control.fileno())  # it exited: the pidfd tells
+            return
+        for payload in spare.splitter.feed(data):
+            report = msgspec.msgpack.decode(payload, type=Report)
+            if isinstance(report, Ready):
+                spare.ready = True
+                self._backoff.pop(spare.local_rank, None)
+                self.events.emit_at(logging.DEBUG, "spare_ready", group=self.group,
+                                    local_rank=spare.local_rank, pid=spare.popen.pid)  # fmt: skip
+            elif isinstance(report, Failed):
+                spare.failure = report.message
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(spare.popen.pid, signal.SIGKILL)  # its exit is reported
+
+    def _on_exit(self, spare: _Spare) -> None:
+        if self.spares.get(spare.local_rank) is not spare:
+            return
+        del self.spares[spare.local_rank]
+        status = spare.popen.wait()
+        spare.close()
+        if self._closed:
+            return
+        self.events.emit("spare_died", group=self.group, local_rank=spare.local_rank,
+                         pid=spare.popen.pid, exitcode=status,
+                         reason=spare.failure or "exited before it was assigned")  # fmt: skip
+        self._pause(spare.local_rank)
+
+    # -- handing one over --------------------------------------------------------------
+
+    def start(
+        self,
+        local_rank: int,
+        attempt: int,
+        env: dict[str, str],
+        streams: tuple[Target, Target],
+        cpus: frozenset[int] | None,
+    ) -> Started:
+        spare = self.spares.pop(local_rank, None)
+        self._wanted.set()  # its replacement, in the background
+        if spare is None or spare.popen.poll() is not None:
+            if spare is not None:
+                spare.popen.wait()
+                spare.close()
+            return self.cold.start(local_rank, attempt, env, streams, cpus)
+        spare.unwatch()
+        ends = [_stream_ends(target, fd) for target, fd in zip(streams, (1, 2), strict=True)]
+        assignment = Assignment(
+            env=env,
+            argv=[self.command.target, *self.command.args],
+            mode=self.command.mode,
+            target=self.command.target,
+        )
+        try:
+            spare.control.settimeout(_SEND_TIMEOUT)
+            data = frame(msgspec.msgpack.encode(assignment))
+            sent = socket.send_fds(spare.control, [data], [theirs for _, theirs in ends])
+            if sent < len(data):  # once it has all, it closes its end: nothing more to send
+                spare.control.sendall(data[sent:])
+        except OSError:
+            # It died on the way: a fresh worker instead, and its exit reaped.
+            for ours, _ in ends:
+                if ours is not None:
+                    os.close(ours)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spare.popen.wait(timeout=1)
+            spare.close()
+            return self.cold.start(local_rank, attempt, env, streams, cpus)
+        finally:
+            for _, theirs in ends:
+                os.close(theirs)
+        if self._root:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, spare.popen.pid, os.getpriority(os.PRIO_PROCESS, 0))
+        os.close(spare.pidfd)
+        spare.control.close()
+        return Started(spare.popen, ends[0][0], ends[1][0])
+
+    # -- seeing and stopping them ------------------------------------------------------
+
+    def infos(self) -> list[SpareInfo]:
+        return [
+            SpareInfo(
+                local_rank=spare.local_rank,
+                pid=spare.popen.pid,
+                ready=spare.ready,
+                rss_bytes=read_rss(spare.popen.pid),
+            )
+            for spare in sorted(self.spares.values(), key=lambda s: s.local_rank)
+        ]
+
+    async def aclose(self) -> None:
+        """Kill every spare and reap it (bounded: one stuck in D state is left to the kernel)."""
+        self._closed = True
+        self._wanted.set()
+        spares, self.spares = list(self.spares.values()), {}
+        for spare in spares:
+            spare.unwatch()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(spare.popen.pid, signal.SIGKILL)
+        for spare in spares:
+            with anyio.move_on_after(2.0):
+                await anyio.wait_readable(spare.pidfd)
+            if spare.popen.poll() is None:
+                log.warning("spare pid %d did not exit after SIGKILL; left behind", spare.popen.pid)
+            spare.close()
+
+
+def _stream_ends(target: Target, console: int) -> tuple[int | None, int]:
+    """(the daemon's read end, the worker's descriptor) for one stream of a spare."""
+    if target.popen is subprocess.PIPE:
+        return os.pipe()
+    if target.popen is subprocess.DEVNULL:
+        return None, os.open(os.devnull, os.O_WRONLY)
+    if target.popen is None:
+        return None, os.dup(console)  # the daemon's own console, inherited as a fresh worker's
+    assert not isinstance(target.popen, int)
+    return None, os.dup(target.popen.fileno())
