@@ -56,6 +56,31 @@ def test_tcp_init_on_master_port_with_the_store_outliving_rank_0(tmp_path: Path)
         assert out.returncode == 0, out.stderr
 
 
+RESTARTED = """
+import os, sys, time
+import torch, torch.distributed as dist
+rank, attempt = int(os.environ["RANK"]), os.environ["TORCHELASTIC_RESTART_COUNT"]
+if rank == 1 and attempt == "1":
+    time.sleep(2)  # rank 0 looks up rank 1's address first: last attempt's must be gone
+dist.init_process_group("gloo")
+total = torch.ones(1)
+dist.all_reduce(total)
+print(f"attempt {attempt} rank {rank} sum {total.item()}", flush=True)
+dist.destroy_process_group()
+sys.exit(1 if rank == 0 and attempt == "0" else 0)
+"""
+
+
+def test_each_attempt_gets_an_empty_store(tmp_path: Path) -> None:
+    # torch's agent makes a store per round; one kept across attempts would hand
+    # rank 0 the address of rank 1's previous, dead process.
+    worker = tmp_path / "worker.py"
+    worker.write_text(RESTARTED)
+    out = run("--nproc-per-node=2", "--max-restarts=1", str(worker))
+    assert out.returncode == 0, out.stderr
+    assert "attempt 1 rank 0 sum 2.0" in out.stdout and "attempt 1 rank 1 sum 2.0" in out.stdout
+
+
 def test_without_torch_rank_0_keeps_the_store(tmp_path: Path) -> None:
     python = python_without(tmp_path)
     out = run(

@@ -14,7 +14,9 @@ torch whenever the workers use ``torch.distributed``):
 - no torch in that interpreter, or the port taken: no agent store, and
   ``TORCHELASTIC_USE_AGENT_STORE=False`` (rank 0 hosts, as before);
 - the helper failing later (a broken torch) is reported by :meth:`serving`,
-  so that the attempt can be started again without it.
+  so that the attempt can be started again without it;
+- each attempt after the first gets an empty store on the same socket
+  (:meth:`renew`), as torch's agent makes a new one for every round.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ log = logging.getLogger("watchdogd.rendezvous")
 
 
 class AgentStore:
-    def __init__(self, helper: TorchHelper, port: int) -> None:
+    def __init__(self, helper: TorchHelper, fd: int, port: int) -> None:
         self.helper = helper
+        self.fd = fd
+        """The listening socket's descriptor in the helper (pass_fds keeps its number)."""
         self.port = port
 
     @classmethod
@@ -51,7 +55,7 @@ class AgentStore:
                 ready = await helper.start()
                 if ready.torch:
                     await helper.send(HostStore(fd=sock.fileno(), port=port))
-                    return cls(helper, port)
+                    return cls(helper, sock.fileno(), port)
             except HelperError as e:
                 log.warning("the job's store stays with rank 0: %s", e)
             except BaseException:
@@ -66,6 +70,17 @@ class AgentStore:
             await self.helper.receive(Hosting)
         except HelperError as e:
             log.warning("the job's store could not start; it goes to rank 0: %s", e)
+            return False
+        return True
+
+    async def renew(self) -> bool:
+        """An empty store for the next attempt, on the same port, as torch's agent makes
+        one per round: keys of the last attempt's ranks (their addresses) would mislead
+        the new ones. False (reported) when the helper could not."""
+        try:
+            await self.helper.call(HostStore(fd=self.fd, port=self.port), Hosting)
+        except HelperError as e:
+            log.warning("the job's store could not be renewed; it goes to rank 0: %s", e)
             return False
         return True
 

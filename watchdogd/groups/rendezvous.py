@@ -93,6 +93,7 @@ class StaticRendezvous:
             self.port = 0 if rdzv.nnodes == 1 else _TORCH_DEFAULT_PORT  # 0: a free one
         self.store: AgentStore | None = None
         self.local_restarts = spec.max_restarts
+        self._rounds = 0
 
     async def __aenter__(self) -> Self:
         rdzv = self.spec.rendezvous
@@ -110,6 +111,10 @@ class StaticRendezvous:
 
     async def next_round(self, restart_count: int) -> tuple[Placement, int]:
         rdzv = self.spec.rendezvous
+        if self.store is not None and self._rounds and not await self.store.renew():
+            store, self.store = self.store, None
+            await store.aclose()
+        self._rounds += 1
         placement = Placement(
             group_rank=rdzv.node_rank,
             group_world_size=rdzv.nnodes,

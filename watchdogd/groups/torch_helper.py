@@ -8,7 +8,7 @@ one at a time, blocking as torch's agent does:
 
 - ``HostStore``: serve the job's ``TCPStore`` on the socket the daemon
   bound (torchrun's agent store, ``TORCHELASTIC_USE_AGENT_STORE=True``), so
-  the store outlives every rank;
+  the store outlives every rank; asked again, an empty one instead;
 - ``Open`` / ``NextRound`` / ``Poll`` / ``Finish``: the c10d rendezvous,
   through the handler torch's registry builds for torchrun's flags and a
   ``LocalElasticAgent`` whose ``_rendezvous`` and ``_exit_barrier`` are the
@@ -119,14 +119,16 @@ class _Helper:
         import torch.distributed as dist
 
         # The daemon bound the socket (workers may already be knocking): torch
-        # listens on it. Its own client reaches it over loopback.
+        # listens on a copy of it, so that the next attempt's store (a fresh one,
+        # this one dropped first) can listen on it too. Its client: over loopback.
+        self.store = None
         self.store = dist.TCPStore(
             "127.0.0.1",
             request.port,
             is_master=True,
             wait_for_workers=False,
             multi_tenant=True,
-            master_listen_fd=request.fd,
+            master_listen_fd=os.dup(request.fd),
         )
         return Hosting(port=self.store.port)
 
