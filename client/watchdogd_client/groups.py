@@ -179,6 +179,9 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     file_timer: bool = True
     """Hand workers ``TORCHELASTIC_TIMER_FILE`` (``TORCHELASTIC_ENABLE_FILE_TIMER=0``: don't)."""
+    flight_recorder: bool = False
+    """Turn on torch's NCCL flight recorder in the workers (its variables, a directory per
+    attempt), so that every rank's collective trace is taken before a hung one is killed."""
     uninterruptible_state_timeout: Seconds | None = None
     """A worker in D state this long makes the group UNHEALTHY (None: not checked)."""
     rendezvous: RendezvousSpec = msgspec.field(default_factory=RendezvousSpec)

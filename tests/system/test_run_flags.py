@@ -369,3 +369,30 @@ def test_the_sigkill_grace_from_the_flag_or_torchs_variable(
         _, stderr = proc.communicate(timeout=10)  # 30 s of grace would time out here
     assert proc.returncode == 1, stderr
     assert "SIGTERM received, passed to the workers; group STOPPED" in stderr
+
+
+# -- beyond torchrun: --flight-recorder ------------------------------------------------------
+
+STANDIN = str(Path(__file__).resolve().parent.parent / "flight_recorder_standin.py")
+
+
+def test_flight_recorder_keeps_each_ranks_trace_of_a_hang_and_the_run_restarts(
+    tmp_path: Path,
+) -> None:
+    logs = tmp_path / "logs"
+    out = run(
+        "--flight-recorder", "--log-dir", str(logs), "--nproc-per-node", "2",
+        "--max-restarts", "1", STANDIN, "3", "1",
+        env={"TORCH_NCCL_COORD_CHECK_MILSEC": "50"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert f"stacks of hung workers in {logs / 'default' / 'dumps'}" in out.stderr
+    (dump,) = (logs / "default" / "dumps").glob("*.txt")
+    assert sorted(p.name for p in dump.parent.glob("*.trace")) == [
+        f"{dump.stem}.rank0.trace",
+        f"{dump.stem}.rank1.trace",
+    ]
+    # Each attempt has a directory of its own for the ranks' pipes and traces.
+    for attempt in (0, 1):
+        recorder = logs / "default" / f"attempt_{attempt}" / "flight_recorder"
+        assert {p.name for p in recorder.iterdir()} >= {"pipe_rank_0.pipe", "pipe_rank_1.pipe"}

@@ -19,6 +19,14 @@ from pathlib import Path
 import msgspec
 from tabulate import tabulate
 
+from watchdogd.core.flight_recorder import (
+    TRACE_COLUMNS,
+    TraceError,
+    decode_trace,
+    summarize_trace,
+    trace_header,
+    trace_rows,
+)
 from watchdogd_client import (
     DaemonUnavailableError,
     RequestError,
@@ -208,20 +216,62 @@ def cmd_dumps(client: SocketTimerClient, args: argparse.Namespace) -> None:
             datetime.fromtimestamp(d.timestamp).isoformat(timespec="seconds"),
             d.pid,
             d.scope_id,
-            d.method,
+            d.method or "-",
             d.size,
+            ",".join(str(t.rank) for t in d.traces if t.size) or "-",
         )
         for d in dumps
     ]
-    print(tabulate(rows, headers=["ID", "TIME", "PID", "SCOPE", "METHOD", "BYTES"]))
+    headers = ["ID", "TIME", "PID", "SCOPE", "METHOD", "BYTES", "TRACES (RANKS)"]
+    print(tabulate(rows, headers=headers))
+
+
+def _trace_summary(client: SocketTimerClient, dump_id: str, trace: p.TraceInfo) -> str:
+    if not trace.size:
+        return trace.problem
+    try:
+        summary = summarize_trace(decode_trace(client.get_trace(dump_id, trace.rank).data))
+    except TraceError as e:
+        summary = str(e)
+    return f"{summary} ({trace.problem})" if trace.problem else summary
 
 
 def cmd_dump(client: SocketTimerClient, args: argparse.Namespace) -> None:
-    """Print one stack dump (IDs from `watchdogctl dumps`)."""
+    """Print one dump: the stacks, then each rank's collective trace in a line."""
+    if args.trace is not None:
+        _print_trace(client, args)
+        return
     dump = client.get_dump(args.id)
     info = dump.info
-    print(f"# pid {info.pid}, timer {info.scope_id!r}, via {info.method}")
+    if args.json:
+        _print_json({**msgspec.structs.asdict(info), "text": dump.text})
+        return
+    print(f"# pid {info.pid}, timer {info.scope_id!r}, via {info.method or 'no stacks'}")
     sys.stdout.write(dump.text)
+    if info.traces:
+        print("\n# NCCL flight-recorder traces (watchdogctl dump ID --trace RANK)")
+        rows = [
+            (t.rank, t.pid, t.size or "-", _trace_summary(client, info.id, t)) for t in info.traces
+        ]
+        print(tabulate(rows, headers=["RANK", "PID", "BYTES", "COLLECTIVES"]))
+
+
+def _print_trace(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """One rank's trace: decoded (values only, never objects), as JSON, or raw (torch's pickle)."""
+    data = client.get_trace(args.id, args.trace).data
+    if args.raw:
+        sys.stdout.buffer.write(data)
+        return
+    try:
+        trace = decode_trace(data)
+    except TraceError as e:
+        raise UsageError(f"dump {args.id}, rank {args.trace}: {e}; --raw prints it as is") from None
+    if args.json:
+        _print_json(trace)
+        return
+    for line in trace_header(trace):
+        print(f"# {line}")
+    print(tabulate(trace_rows(trace), headers=TRACE_COLUMNS))
 
 
 class UsageError(Exception):
@@ -257,7 +307,13 @@ def _parser() -> argparse.ArgumentParser:
         for name, handler in COMMANDS.items()
     }
     subs["dump"].add_argument("id", metavar="ID", help="a dump id from `watchdogctl dumps`")
-    for name in ("timers", "status", "groups", "events", "dumps"):
+    subs["dump"].add_argument(
+        "--trace", type=int, metavar="RANK", help="print this global rank's collective trace"
+    )
+    subs["dump"].add_argument(
+        "--raw", action="store_true", help="with --trace: the trace as the rank wrote it (pickle)"
+    )
+    for name in ("timers", "status", "groups", "events", "dumps", "dump"):
         subs[name].add_argument("--json", action="store_true", help="print JSON, not a table")
     subs["events"].add_argument("--since", metavar="T", help="30s, 5m, 2h, 1d ago, or epoch secs")
     subs["events"].add_argument("--limit", type=int, metavar="N", help="at most the last N")

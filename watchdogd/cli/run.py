@@ -116,6 +116,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
           "entry point in group watchdogd.event_handlers")  # fmt: skip
     parser.add_argument("--event-log", metavar="FILE", help="append events as JSON lines to FILE")
     parser.add_argument(
+        "--flight-recorder",
+        action="store_true",
+        help="turn on torch's NCCL flight recorder in the workers; every rank's trace is "
+        "kept with the dump of a hung one",
+    )
+    parser.add_argument(
         "training_script", nargs="?", metavar="SCRIPT", help="script, module, or -- CMD ARGS"
     )
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, metavar="ARGS")
@@ -323,6 +329,7 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "shutdown_timeout": _shutdown_timeout(args.shutdown_timeout),
                 "duplicate_stdout_filters": _comma_list(args.duplicate_stdout_filters),
                 "duplicate_stderr_filters": _comma_list(args.duplicate_stderr_filters),
+                "flight_recorder": args.flight_recorder,
                 "rendezvous": rendezvous,
             },
             GroupSpec,
