@@ -371,7 +371,7 @@ def test_the_sigkill_grace_from_the_flag_or_torchs_variable(
     assert "SIGTERM received, passed to the workers; group STOPPED" in stderr
 
 
-# -- beyond torchrun: --flight-recorder ------------------------------------------------------
+# -- beyond torchrun: --flight-recorder, --trace -----------------------------------------
 
 STANDIN = str(Path(__file__).resolve().parent.parent / "flight_recorder_standin.py")
 
@@ -379,13 +379,18 @@ STANDIN = str(Path(__file__).resolve().parent.parent / "flight_recorder_standin.
 def test_flight_recorder_keeps_each_ranks_trace_of_a_hang_and_the_run_restarts(
     tmp_path: Path,
 ) -> None:
-    logs = tmp_path / "logs"
+    logs, timeline = tmp_path / "logs", tmp_path / "run.json"
     out = run(
         "--flight-recorder", "--log-dir", str(logs), "--nproc-per-node", "2",
-        "--max-restarts", "1", STANDIN, "3", "1",
+        "--max-restarts", "1", "--trace", str(timeline), STANDIN, "3", "1",
         env={"TORCH_NCCL_COORD_CHECK_MILSEC": "50"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    assert f"as a Chrome trace in {timeline}" in out.stderr
+    trace = json.loads(timeline.read_text())["traceEvents"]
+    kills = [e["name"] for e in trace if e.get("cat") == "kill"]
+    assert kills == ["kill SIGKILL: step"]
+    assert [e["name"] for e in trace if e.get("cat") == "restart"] == ["restart: attempt 1"]
     assert f"stacks of hung workers in {logs / 'default' / 'dumps'}" in out.stderr
     (dump,) = (logs / "default" / "dumps").glob("*.txt")
     assert sorted(p.name for p in dump.parent.glob("*.trace")) == [

@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 from tabulate import tabulate
 
+from watchdogd.cli.timeline import write_trace
 from watchdogd.core.flight_recorder import (
     TRACE_COLUMNS,
     TraceError,
@@ -190,7 +191,26 @@ def _format_event(event: Event) -> str:
 
 
 def cmd_events(client: SocketTimerClient, args: argparse.Namespace) -> None:
-    """Show recent events; with --follow, keep printing them as they happen."""
+    """Show recent events; with --follow, keep printing them as they happen.
+
+    With --trace FILE, write them instead, with the recent timers, as a
+    Chrome trace (Perfetto, chrome://tracing, Chrome DevTools): a track per
+    rank, slices for attempts, timers and rendezvous rounds, marks for
+    kills, dumps and restarts.
+    """
+    if args.trace is not None:
+        if args.follow:
+            raise UsageError("--trace writes what happened so far: not with --follow")
+        since_ms = _since_ms(args.since)
+        (batch,) = client.events(since_ms, args.limit)
+        spans = client.timeline()
+        if since_ms is not None:  # the timers that were armed within the window
+            spans = [s for s in spans if s.ended is None or s.ended * 1000 >= since_ms]
+        try:
+            print(write_trace(args.trace, batch.events, spans))
+        except OSError as e:
+            raise UsageError(f"--trace {args.trace}: {e.strerror}") from None
+        return
     try:
         for batch in client.events(_since_ms(args.since), args.limit, args.follow):
             if batch.dropped:
@@ -318,6 +338,9 @@ def _parser() -> argparse.ArgumentParser:
     subs["events"].add_argument("--since", metavar="T", help="30s, 5m, 2h, 1d ago, or epoch secs")
     subs["events"].add_argument("--limit", type=int, metavar="N", help="at most the last N")
     subs["events"].add_argument("--follow", "-f", action="store_true", help="keep printing")
+    subs["events"].add_argument(
+        "--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of the job's timeline"
+    )
     subs["submit"].add_argument("spec", metavar="SPEC.toml", help="a group spec (see README)")
     for name in ("stop", "restart"):
         subs[name].add_argument("name", metavar="NAME", help="the group's name")

@@ -28,6 +28,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from watchdogd.cli.timeline import write_trace
 from watchdogd.core.config import Config, ConfigError
 from watchdogd.core.numa import AFFINITY_MODES
 from watchdogd.core.ports import GroupError
@@ -115,6 +116,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
           help="record events to this handler: null, console, dynamic_rendezvous, or an "
           "entry point in group watchdogd.event_handlers")  # fmt: skip
     parser.add_argument("--event-log", metavar="FILE", help="append events as JSON lines to FILE")
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="at exit, write the run's timeline as a Chrome trace (Perfetto) to FILE",
+    )
     parser.add_argument(
         "--flight-recorder",
         action="store_true",
@@ -397,6 +403,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
     try:
         _aio.run(partial(_run_group, daemon, spec, signals, outcome))
     finally:
+        if args.trace:
+            _write_trace(daemon, args.trace)
         dumps = daemon.stacks.list() if daemon.stacks.directory.is_dir() else []
         if dumps:
             print(
@@ -424,6 +432,16 @@ def run(args: argparse.Namespace, config: Config) -> int:
         return 0
     print(summarize(runner, state), file=sys.stderr)
     return EXIT_FAILED
+
+
+def _write_trace(daemon: Daemon, path: str) -> None:
+    """The run's timeline, once it is over (the loop has stopped: nothing to hold up)."""
+    try:
+        summary = write_trace(path, daemon.events.since(), daemon.timers.timeline_spans(None))
+    except OSError as e:
+        print(f"watchdogd run: --trace {path}: {e.strerror}", file=sys.stderr)
+        return
+    print(f"watchdogd run: {summary}", file=sys.stderr)
 
 
 async def _run_group(

@@ -457,8 +457,21 @@ class GroupRunner:
 
     async def _start_attempt(self, attempt: int, restart_count: int) -> None:
         await self._bind_numa()  # before rendezvous: a node that cannot start holds nobody up
+        waiting_since = time.monotonic()
         placement, restart_count = await self.rendezvous.next_round(restart_count)
         self.placement = placement
+        # Every backend's round, the static one's too: a job's timeline shows each.
+        self.events.emit(
+            "rendezvous_round",
+            group=self.spec.name,
+            attempt=attempt,
+            run_id=placement.run_id,
+            group_rank=placement.group_rank,
+            group_world_size=placement.group_world_size,
+            master=f"{placement.master_addr}:{placement.master_port}",
+            waited_s=round(time.monotonic() - waiting_since, 3),
+            hostname=self.hostname,
+        )
         self.workers = {}
         base = dict(os.environ)
         recorder_dir = None
