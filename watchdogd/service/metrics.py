@@ -154,7 +154,6 @@ class Metrics(Collector):
             max(self.loop.lag, self.loop.stalled_for()),
         )
 
-
     def _per_group(self) -> Iterator[Metric]:
         left = GaugeMetricFamily(
             "watchdogd_group_restarts_left", "Restarts a group has left.", labels=["group"]
