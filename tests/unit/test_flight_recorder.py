@@ -51,6 +51,9 @@ def test_flight_recorder_flag_keeps_a_buffer_size_the_user_chose() -> None:
     )
     chosen = flight_recorder_env("/d", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000"})
     assert chosen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "20000"
+    # A recorder turned off by the variable that wins is turned on by the flag.
+    off = {"TORCH_FR_BUFFER_SIZE": "0"}
+    assert recorder_paths({**off, **flight_recorder_env("/d", off)}, 0) is not None
 
 
 class Exploit:

@@ -117,9 +117,8 @@ class WorkerIndex:
 
     def flight_recorders(self, pid: int) -> list[Recorder]:
         group = self._groups.get(pid)
-        if group is None or pid not in self._recorders.get(group, {}):
-            return []
-        return sorted(self._recorders[group].values(), key=lambda r: r.rank)
+        recorders = self._recorders.get(group or "", {})
+        return sorted(recorders.values(), key=lambda r: r.rank)
 
     def __contains__(self, pid: object) -> bool:
         return pid in self._groups

@@ -252,6 +252,13 @@ class Reaper:
         timeout = self.settings.flight_recorder_timeout
         collect = partial(flight_recorder.collect, recorder, time.monotonic() + timeout)
         collected = await anyio.to_thread.run_sync(collect, abandon_on_cancel=True)
+        if collected.problem:
+            log.warning(
+                "flight recorder of rank %d (pid %d): %s",
+                recorder.rank,
+                recorder.pid,
+                collected.problem,
+            )
         info = TraceInfo(
             rank=recorder.rank,
             pid=recorder.pid,

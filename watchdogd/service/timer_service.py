@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import math
 import os
 import time
@@ -388,13 +389,18 @@ class TimerService:
     def timeline_spans(self, uid: int | None) -> list[p.TimerSpan]:
         """Recent timers from arming to their end, then live ones (those of ``uid``'s processes).
 
-        Live timers are the soonest ``timeline_size``: what a timeline can show.
+        At most ``timeline_size`` live ones, whichever come first, unsorted: for an
+        operator the work on the loop stays bounded however many timers the node
+        holds; for others it is a scan for their own, as ``timer_list``'s.
         """
         processes = self.processes
-        live = heapq.nsmallest(self.timeline.ended.maxlen or 0, self.table)
-        return self.timeline.spans(
-            ((t, processes[t.pid].uid if t.pid in processes else -1) for t in live), uid
-        )
+
+        def owner(timer: Timer) -> int:
+            handle = processes.get(timer.pid)
+            return -1 if handle is None else handle.uid
+
+        live = ((t, owner(t)) for t in self.table if uid is None or owner(t) == uid)
+        return self.timeline.spans(itertools.islice(live, self.timeline.ended.maxlen or 0), uid)
 
     def timer_list(self, seq: int, uid: int | None) -> p.TimerList:
         """The soonest timers (of processes of ``uid``; all when None), and how many exist."""
