@@ -136,7 +136,13 @@ class Daemon:
             stacks=self.stacks,
             observe_latency=lambda late: self.metrics.expiry_latency.observe(late),
         )
-        self.metrics = Metrics(self.stats, self.timers, self.supervisor.states, self.loop_monitor)
+        self.metrics = Metrics(
+            self.stats,
+            self.timers,
+            self.supervisor.states,
+            self.supervisor.infos,
+            self.loop_monitor,
+        )
         self.gpus = GpuStatus()
         self.persistence = Persistence(
             config.state_path(),

@@ -47,6 +47,8 @@ class Outcome:
     """Why the group could not be submitted."""
     dumps: Path | None = None
     """Where stacks of hung workers were kept, if there are any."""
+    daemon: Daemon | None = None
+    """The daemon that ran it, stopped: its events and timeline remain."""
 
 
 def _run_config(config: Config, spec: GroupSpec) -> tuple[Config, Path | None]:
@@ -91,6 +93,7 @@ def run_group(
             shutil.rmtree(runtime_dir)
         raise
     group = _GroupRun(daemon, spec, starter)
+    group.outcome.daemon = daemon
     try:
         if on_started is None:
             _aio.run(partial(group.serve, signals))

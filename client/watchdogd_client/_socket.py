@@ -152,6 +152,14 @@ class SocketTimerClient(TimerClient):
     def get_dump(self, dump_id: str) -> p.DumpText:
         return self.request(p.GetDump(dump_id), p.DumpText)
 
+    def get_trace(self, dump_id: str, rank: int) -> p.DumpTrace:
+        """The NCCL flight-recorder trace of global rank ``rank`` kept with a dump."""
+        return self.request(p.GetDump(dump_id, trace=rank), p.DumpTrace)
+
+    def timeline(self) -> list[p.TimerSpan]:
+        """Recent timers from arming to their end, then those still armed (yours, if not admin)."""
+        return self.request(p.GetTimeline(), p.Timeline).spans
+
     def list_groups(self) -> list[GroupInfo]:
         return self.request(p.ListGroups(), p.GroupList).groups
 

@@ -187,6 +187,9 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prewarm: list[str] = []
     """Modules a warm spare per local rank imports ahead of each attempt (Python
     entrypoints only): a restart does not pay their imports again."""
+    flight_recorder: bool = False
+    """Turn on torch's NCCL flight recorder in the workers (its variables, a directory per
+    attempt), so that every rank's collective trace is taken before a hung one is killed."""
     uninterruptible_state_timeout: Seconds | None = None
     """A worker in D state this long makes the group UNHEALTHY (None: not checked)."""
     rendezvous: RendezvousSpec = msgspec.field(default_factory=RendezvousSpec)

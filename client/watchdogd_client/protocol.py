@@ -44,6 +44,7 @@ __all__ = [
     "DumpInfo",
     "DumpList",
     "DumpText",
+    "DumpTrace",
     "EndpointOwner",
     "Error",
     "EventBatch",
@@ -51,6 +52,7 @@ __all__ = [
     "GetDump",
     "GetEvents",
     "GetStatus",
+    "GetTimeline",
     "GpuInfo",
     "GpuProcess",
     "GroupList",
@@ -69,8 +71,11 @@ __all__ = [
     "SubmitGroup",
     "Sync",
     "Synced",
+    "Timeline",
     "TimerInfo",
     "TimerList",
+    "TimerSpan",
+    "TraceInfo",
     "Welcome",
     "frame",
 ]
@@ -198,9 +203,18 @@ class ListDumps(msgspec.Struct, tag="list_dumps", tag_field="op"):
 
 
 class GetDump(msgspec.Struct, tag="get_dump", tag_field="op"):
-    """Answered with :class:`DumpText`: one saved stack dump."""
+    """Answered with :class:`DumpText`: one saved stack dump.
+
+    With ``trace``, answered with :class:`DumpTrace` instead: the NCCL
+    flight-recorder trace kept with that dump for global rank ``trace``.
+    """
 
     id: str
+    trace: int | None = None
+
+
+class GetTimeline(msgspec.Struct, tag="timeline", tag_field="op"):
+    """Answered with :class:`Timeline`: the recent timers, from arming to their end."""
 
 
 class ListGroups(msgspec.Struct, tag="list_groups", tag_field="op"):
@@ -236,6 +250,7 @@ Request = (
     | GetEvents
     | ListDumps
     | GetDump
+    | GetTimeline
     | ListGroups
     | SubmitGroup
     | StopGroup
@@ -322,15 +337,29 @@ class EventBatch(msgspec.Struct, tag="event_batch", tag_field="op"):
     dropped: int = 0
 
 
+class TraceInfo(msgspec.Struct, kw_only=True):
+    """One rank's NCCL flight-recorder trace, taken with a dump: kept, or why not."""
+
+    rank: int
+    pid: int
+    size: int = 0
+    """Bytes kept (torch's pickle, as the rank wrote it); 0: none."""
+    problem: str = ""
+    """Why there is no trace, or why the one kept may be incomplete."""
+
+
 class DumpInfo(msgspec.Struct, kw_only=True):
-    """A saved stack dump: whose, which timer, how it was taken."""
+    """A saved dump: whose, which timer, how its stacks were taken, the ranks' traces."""
 
     id: str
     pid: int
     scope_id: str
     method: str
+    """``faulthandler`` or ``py-spy``; ``""``: no stacks, only traces."""
     timestamp: float
     size: int
+    traces: list[TraceInfo] = []
+    """With a group whose workers run torch's flight recorder: one per rank on this node."""
 
 
 class DumpList(msgspec.Struct, tag="dump_list", tag_field="op"):
@@ -342,6 +371,34 @@ class DumpText(msgspec.Struct, tag="dump_text", tag_field="op"):
     seq: int
     info: DumpInfo
     text: str
+
+
+class DumpTrace(msgspec.Struct, tag="dump_trace", tag_field="op"):
+    seq: int
+    info: DumpInfo
+    rank: int
+    data: bytes
+    """The trace as the rank wrote it: a pickle, to decode without building objects."""
+
+
+class TimerSpan(msgspec.Struct, kw_only=True):
+    """One timer's life: armed, then released, expired or dropped (its process exited)."""
+
+    pid: int
+    scope_id: str
+    armed: float
+    """``time.time()`` when armed (or, restored from a snapshot, when restored)."""
+    ended: float | None
+    """When it ended; None: still armed."""
+    outcome: Literal["released", "expired", "dropped", "armed"]
+    uid: int | None
+
+
+class Timeline(msgspec.Struct, tag="timeline", tag_field="op"):
+    """The last ``timeline_size`` timers that ended, oldest first, then those still armed."""
+
+    seq: int
+    spans: list[TimerSpan]
 
 
 class GroupList(msgspec.Struct, tag="group_list", tag_field="op"):
@@ -370,6 +427,8 @@ Reply = (
     | EventBatch
     | DumpList
     | DumpText
+    | DumpTrace
+    | Timeline
     | GroupList
     | Ok
     | Error

@@ -390,3 +390,35 @@ def test_every_duration_in_rdzv_conf_takes_a_fraction() -> None:
     assert (conf.join_timeout, conf.read_timeout, conf.is_host) == (1.5, 3.0, True)
     # torch parses whole seconds: a fraction goes up to the next.
     assert [_torch_conf_value(v) for v in (1.5, 3.0, True)] == ["2", "3", "true"]
+
+
+# -- beyond torchrun: --flight-recorder, --trace -----------------------------------------
+
+STANDIN = str(Path(__file__).resolve().parent.parent / "flight_recorder_standin.py")
+
+
+def test_flight_recorder_keeps_each_ranks_trace_of_a_hang_and_the_run_restarts(
+    tmp_path: Path,
+) -> None:
+    logs, timeline = tmp_path / "logs", tmp_path / "run.json"
+    out = run(
+        "--flight-recorder", "--log-dir", str(logs), "--nproc-per-node", "2",
+        "--max-restarts", "1", "--trace", str(timeline), STANDIN, "3", "1",
+        env={"TORCH_NCCL_COORD_CHECK_MILSEC": "50"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert f"as a Chrome trace in {timeline}" in out.stderr
+    trace = json.loads(timeline.read_text())["traceEvents"]
+    kills = [e["name"] for e in trace if e.get("cat") == "kill"]
+    assert kills == ["kill SIGKILL: step"]
+    assert [e["name"] for e in trace if e.get("cat") == "restart"] == ["restart: attempt 1"]
+    assert f"stacks of hung workers in {logs / 'default' / 'dumps'}" in out.stderr
+    (dump,) = (logs / "default" / "dumps").glob("*.txt")
+    assert sorted(p.name for p in dump.parent.glob("*.trace")) == [
+        f"{dump.stem}.rank0.trace",
+        f"{dump.stem}.rank1.trace",
+    ]
+    # Each attempt has a directory of its own for the ranks' pipes and traces.
+    for attempt in (0, 1):
+        recorder = logs / "default" / f"attempt_{attempt}" / "flight_recorder"
+        assert {p.name for p in recorder.iterdir()} >= {"pipe_rank_0.pipe", "pipe_rank_1.pipe"}

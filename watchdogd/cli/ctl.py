@@ -19,6 +19,15 @@ from pathlib import Path
 import msgspec
 from tabulate import tabulate
 
+from watchdogd.cli.timeline import write_trace
+from watchdogd.core.flight_recorder import (
+    TRACE_COLUMNS,
+    TraceError,
+    decode_trace,
+    summarize_trace,
+    trace_header,
+    trace_rows,
+)
 from watchdogd_client import (
     DaemonUnavailableError,
     RequestError,
@@ -189,7 +198,26 @@ def _format_event(event: Event) -> str:
 
 
 def cmd_events(client: SocketTimerClient, args: argparse.Namespace) -> None:
-    """Show recent events; with --follow, keep printing them as they happen."""
+    """Show recent events; with --follow, keep printing them as they happen.
+
+    With --trace FILE, write them instead, with the recent timers, as a
+    Chrome trace (Perfetto, chrome://tracing, Chrome DevTools): a track per
+    rank, slices for attempts, timers and rendezvous rounds, marks for
+    kills, dumps and restarts.
+    """
+    if args.trace is not None:
+        if args.follow:
+            raise UsageError("--trace writes what happened so far: not with --follow")
+        since_ms = _since_ms(args.since)
+        (batch,) = client.events(since_ms, args.limit)
+        spans = client.timeline()
+        if since_ms is not None:  # the timers that were armed within the window
+            spans = [s for s in spans if s.ended is None or s.ended * 1000 >= since_ms]
+        try:
+            print(write_trace(args.trace, batch.events, spans))
+        except OSError as e:
+            raise UsageError(f"--trace {args.trace}: {e.strerror}") from None
+        return
     try:
         for batch in client.events(_since_ms(args.since), args.limit, args.follow):
             if batch.dropped:
@@ -215,20 +243,62 @@ def cmd_dumps(client: SocketTimerClient, args: argparse.Namespace) -> None:
             datetime.fromtimestamp(d.timestamp).isoformat(timespec="seconds"),
             d.pid,
             d.scope_id,
-            d.method,
+            d.method or "-",
             d.size,
+            ",".join(str(t.rank) for t in d.traces if t.size) or "-",
         )
         for d in dumps
     ]
-    print(tabulate(rows, headers=["ID", "TIME", "PID", "SCOPE", "METHOD", "BYTES"]))
+    headers = ["ID", "TIME", "PID", "SCOPE", "METHOD", "BYTES", "TRACES (RANKS)"]
+    print(tabulate(rows, headers=headers))
+
+
+def _trace_summary(client: SocketTimerClient, dump_id: str, trace: p.TraceInfo) -> str:
+    if not trace.size:
+        return trace.problem
+    try:
+        summary = summarize_trace(decode_trace(client.get_trace(dump_id, trace.rank).data))
+    except TraceError as e:
+        summary = str(e)
+    return f"{summary} ({trace.problem})" if trace.problem else summary
 
 
 def cmd_dump(client: SocketTimerClient, args: argparse.Namespace) -> None:
-    """Print one stack dump (IDs from `watchdogctl dumps`)."""
+    """Print one dump: the stacks, then each rank's collective trace in a line."""
+    if args.trace is not None:
+        _print_trace(client, args)
+        return
     dump = client.get_dump(args.id)
     info = dump.info
-    print(f"# pid {info.pid}, timer {info.scope_id!r}, via {info.method}")
+    if args.json:
+        _print_json({**msgspec.structs.asdict(info), "text": dump.text})
+        return
+    print(f"# pid {info.pid}, timer {info.scope_id!r}, via {info.method or 'no stacks'}")
     sys.stdout.write(dump.text)
+    if info.traces:
+        print("\n# NCCL flight-recorder traces (watchdogctl dump ID --trace RANK)")
+        rows = [
+            (t.rank, t.pid, t.size or "-", _trace_summary(client, info.id, t)) for t in info.traces
+        ]
+        print(tabulate(rows, headers=["RANK", "PID", "BYTES", "COLLECTIVES"]))
+
+
+def _print_trace(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """One rank's trace: decoded (values only, never objects), as JSON, or raw (torch's pickle)."""
+    data = client.get_trace(args.id, args.trace).data
+    if args.raw:
+        sys.stdout.buffer.write(data)
+        return
+    try:
+        trace = decode_trace(data)
+    except TraceError as e:
+        raise UsageError(f"dump {args.id}, rank {args.trace}: {e}; --raw prints it as is") from None
+    if args.json:
+        _print_json(trace)
+        return
+    for line in trace_header(trace):
+        print(f"# {line}")
+    print(tabulate(trace_rows(trace), headers=TRACE_COLUMNS))
 
 
 class UsageError(Exception):
@@ -264,11 +334,20 @@ def _parser() -> argparse.ArgumentParser:
         for name, handler in COMMANDS.items()
     }
     subs["dump"].add_argument("id", metavar="ID", help="a dump id from `watchdogctl dumps`")
-    for name in ("timers", "status", "groups", "events", "dumps"):
+    subs["dump"].add_argument(
+        "--trace", type=int, metavar="RANK", help="print this global rank's collective trace"
+    )
+    subs["dump"].add_argument(
+        "--raw", action="store_true", help="with --trace: the trace as the rank wrote it (pickle)"
+    )
+    for name in ("timers", "status", "groups", "events", "dumps", "dump"):
         subs[name].add_argument("--json", action="store_true", help="print JSON, not a table")
     subs["events"].add_argument("--since", metavar="T", help="30s, 5m, 2h, 1d ago, or epoch secs")
     subs["events"].add_argument("--limit", type=int, metavar="N", help="at most the last N")
     subs["events"].add_argument("--follow", "-f", action="store_true", help="keep printing")
+    subs["events"].add_argument(
+        "--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of the job's timeline"
+    )
     subs["submit"].add_argument("spec", metavar="SPEC.toml", help="a group spec (see README)")
     for name in ("stop", "restart"):
         subs[name].add_argument("name", metavar="NAME", help="the group's name")

@@ -23,9 +23,11 @@ import tempfile
 
 import msgspec
 
+from watchdogd.cli.timeline import write_trace
 from watchdogd.core.config import Config, ConfigError
 from watchdogd.core.numa import AFFINITY_MODES
 from watchdogd.core.workerenv import apply_env_knobs
+from watchdogd.daemon import Daemon
 from watchdogd.foreground import run_group
 from watchdogd.groups.runner import GroupRunner, visible_gpus
 from watchdogd.linux.plugins import LOGS_SPECS_GROUP, has_entry_point, not_found
@@ -111,6 +113,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
           help="record events to this handler: null, console, dynamic_rendezvous, or an "
           "entry point in group watchdogd.event_handlers")  # fmt: skip
     parser.add_argument("--event-log", metavar="FILE", help="append events as JSON lines to FILE")
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="at exit, write the run's timeline as a Chrome trace (Perfetto) to FILE",
+    )
+    parser.add_argument(
+        "--flight-recorder",
+        action="store_true",
+        help="turn on torch's NCCL flight recorder in the workers; every rank's trace is "
+        "kept with the dump of a hung one",
+    )
     parser.add_argument(
         "training_script", nargs="?", metavar="SCRIPT", help="script, module, or -- CMD ARGS"
     )
@@ -320,6 +333,7 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "duplicate_stdout_filters": _comma_list(args.duplicate_stdout_filters),
                 "duplicate_stderr_filters": _comma_list(args.duplicate_stderr_filters),
                 "prewarm": _comma_list(args.prewarm),
+                "flight_recorder": args.flight_recorder,
                 "rendezvous": rendezvous,
             },
             GroupSpec,
@@ -366,6 +380,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
     except ConfigError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if args.trace and outcome.daemon is not None:
+        _write_trace(outcome.daemon, args.trace)
     if outcome.dumps is not None:
         print(f"watchdogd run: stacks of hung workers in {outcome.dumps}", file=sys.stderr)
     if outcome.error is not None:
@@ -381,3 +397,13 @@ def run(args: argparse.Namespace, config: Config) -> int:
         return 0
     print(summarize(outcome.runner, outcome.state), file=sys.stderr)
     return EXIT_FAILED
+
+
+def _write_trace(daemon: Daemon, path: str) -> None:
+    """The run's timeline, once it is over (the loop has stopped: nothing to hold up)."""
+    try:
+        summary = write_trace(path, daemon.events.since(), daemon.timers.timeline_spans(None))
+    except OSError as e:
+        print(f"watchdogd run: --trace {path}: {e.strerror}", file=sys.stderr)
+        return
+    print(f"watchdogd run: {summary}", file=sys.stderr)

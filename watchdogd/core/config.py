@@ -81,6 +81,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Capture a hung process's stacks before killing it (auto: faulthandler, else py-spy)."""
     stack_dump_timeout: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     dumps_kept: PositiveInt = 100
+    flight_recorder_timeout: Annotated[float, msgspec.Meta(gt=0)] = 3.0
+    """How long, before a kill, to wait for the group's ranks' NCCL flight-recorder traces."""
+    timeline_size: Annotated[int, msgspec.Meta(ge=0)] = 10_000
+    """Timers that ended kept for a job's timeline (``watchdogctl events --trace``); 0: none."""
     kill_grace: Annotated[float, msgspec.Meta(ge=0)] | None = 10.0
     """SIGKILL a process still alive this long after its timer's signal (None: never)."""
     gpu_health: bool = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from watchdogd.core.flight_recorder import Recorder
 from watchdogd.core.numa import Gpu, Topology
 from watchdogd_client.groups import GroupInfo, GroupSpec
 
@@ -41,6 +42,14 @@ class Supervision(Protocol):
 
     def timer_fired(self, pid: int, scope_id: str) -> None:
         """The timer ``scope_id`` signalled ``pid``: the group's failure report names it."""
+        ...
+
+    def flight_recorders(self, pid: int) -> list[Recorder]:
+        """The NCCL flight recorders of every rank of ``pid``'s group on this node.
+
+        Empty unless ``pid`` is a worker whose group's environment turns them on:
+        a hang in a collective is the whole group's, so every rank is asked.
+        """
         ...
 
 

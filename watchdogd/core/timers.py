@@ -49,6 +49,8 @@ class Timer(msgspec.Struct, order=True, gc=False):
     signal: int
     source: Source
     uid: int  # the requester's, -1 when unknown (FIFO); an int so heap order never fails
+    armed: float = 0.0
+    """When it was armed, on the deadline's clock (a job's timeline shows it from then)."""
     live: bool = True
 
 
@@ -86,9 +88,10 @@ class TimerTable:
         signal: int,
         source: Source = "socket",
         uid: int = -1,
+        armed: float = 0.0,
     ) -> bool:
-        """Arm or re-arm ``(pid, scope_id)``. True when it is the new earliest deadline."""
-        timer = Timer(deadline, pid, scope_id, signal, source, uid)
+        """Arm or re-arm ``(pid, scope_id)`` at ``armed``. True when it is the new earliest."""
+        timer = Timer(deadline, pid, scope_id, signal, source, uid, armed)
         scopes = self._by_pid.get(pid)
         if scopes is None:
             scopes = self._by_pid[pid] = {}

@@ -16,6 +16,7 @@ from typing import Literal
 
 import msgspec
 
+from watchdogd.core.flight_recorder import flight_recorder_env
 from watchdogd_client.groups import GroupSpec
 
 __all__ = [
@@ -287,8 +288,13 @@ def worker_env(
     socket_path: str,
     fifo_path: str,
     error_path: Path,
+    recorder_dir: Path | None = None,
 ) -> dict[str, str]:
-    """The full environment of one worker: ``base`` (the daemon's), the spec's, torchrun's."""
+    """The full environment of one worker: ``base`` (the daemon's), the spec's, torchrun's.
+
+    ``recorder_dir``: where torch's NCCL flight recorder puts its pipes and traces
+    (``flight_recorder`` in the spec); None: the variables are left as they are.
+    """
     rank = placement.rank(local_rank, spec.nproc)
     world_size = placement.world(spec.nproc)
     env = {**base, **spec.env}
@@ -321,6 +327,8 @@ def worker_env(
         env.pop("TORCHELASTIC_TIMER_FILE", None)
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    if recorder_dir is not None:
+        env.update(flight_recorder_env(str(recorder_dir), env))
     return env
 
 

@@ -38,6 +38,7 @@ import anyio.abc
 import msgspec
 
 from watchdogd.core.dstate import DStateDetector
+from watchdogd.core.flight_recorder import Recorder, recorder_paths
 from watchdogd.core.group_machine import Action, Finished, GroupMachine, Signal, Spawn, Transition
 from watchdogd.core.numa import NumaError, bind, cuda_devices, format_cpulist
 from watchdogd.core.ports import EventSink, GroupError, Hardware
@@ -91,12 +92,19 @@ class WorkerIndex:
     def __init__(self) -> None:
         self._groups: dict[int, str] = {}
         self._expired_scopes: dict[int, str] = {}
+        # group -> pid -> the flight recorder of that rank, for workers that run one.
+        self._recorders: dict[str, dict[int, Recorder]] = {}
 
-    def add(self, pid: int, group: str) -> None:
+    def add(self, pid: int, group: str, recorder: Recorder | None = None) -> None:
         self._groups[pid] = group
+        if recorder is not None:
+            self._recorders.setdefault(group, {})[pid] = recorder
 
     def remove(self, pid: int) -> None:
-        self._groups.pop(pid, None)
+        group = self._groups.pop(pid, None)
+        recorders = self._recorders.get(group or "")
+        if recorders is not None:
+            recorders.pop(pid, None)
 
     def take_expired_scope(self, pid: int) -> str | None:
         return self._expired_scopes.pop(pid, None)
@@ -107,6 +115,11 @@ class WorkerIndex:
     def timer_fired(self, pid: int, scope_id: str) -> None:
         if pid in self._groups:
             self._expired_scopes[pid] = scope_id
+
+    def flight_recorders(self, pid: int) -> list[Recorder]:
+        group = self._groups.get(pid)
+        recorders = self._recorders.get(group or "", {})
+        return sorted(recorders.values(), key=lambda r: r.rank)
 
     def __contains__(self, pid: object) -> bool:
         return pid in self._groups
@@ -491,11 +504,30 @@ class GroupRunner:
         await self._bind_numa()  # before rendezvous: a node that cannot start holds nobody up
         if self.spares is not None:
             self.spares.fill(self.spec.nproc, self.cpus)  # warming while the nodes meet
+        waiting_since = time.monotonic()
         placement, restart_count = await self.rendezvous.next_round(restart_count)
         self.placement = placement
+        # Every backend's round, the static one's too: a job's timeline shows each.
+        self.events.emit(
+            "rendezvous_round",
+            group=self.spec.name,
+            attempt=attempt,
+            run_id=placement.run_id,
+            group_rank=placement.group_rank,
+            group_world_size=placement.group_world_size,
+            master=f"{placement.master_addr}:{placement.master_port}",
+            waited_s=round(time.monotonic() - waiting_since, 3),
+            hostname=self.hostname,
+        )
         self.workers = {}
         self.attempt_failures = {}
         base = dict(os.environ)
+        recorder_dir = None
+        if self.spec.flight_recorder:
+            # The ranks' pipes live here: the daemon's uid only, so nobody else makes them dump.
+            recorder_dir = self.run_dir / f"attempt_{attempt}" / "flight_recorder"
+            mkdir = partial(recorder_dir.mkdir, mode=0o700, parents=True, exist_ok=True)
+            await anyio.to_thread.run_sync(mkdir)
         envs = {
             local_rank: worker_env(
                 self.spec,
@@ -507,6 +539,7 @@ class GroupRunner:
                 socket_path=self.endpoints.socket_path,
                 fifo_path=self.endpoints.fifo_path,
                 error_path=self.run_dir / f"attempt_{attempt}" / str(local_rank) / "error.json",
+                recorder_dir=recorder_dir,
             )
             for local_rank in range(self.spec.nproc)
         }
@@ -520,13 +553,22 @@ class GroupRunner:
                 worker = self._spawn(local_rank, rank, attempt, env, routes[local_rank], opened)
                 worker.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None
                 self.workers[local_rank] = worker
-                self.index.add(worker.pid, self.spec.name)
+                self.index.add(worker.pid, self.spec.name, self._recorder(env, worker))
                 aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
                 self.events.emit_at(logging.DEBUG, "worker_started", **self._about(worker))
         finally:
             for pair in targets.values():  # ranks that never started
                 for target in pair:
                     target.close()
+
+    @staticmethod
+    def _recorder(env: dict[str, str], worker: _Worker) -> Recorder | None:
+        """The rank's NCCL flight recorder, if its environment turns one on."""
+        paths = recorder_paths(env, worker.rank)
+        if paths is None:
+            return None
+        # The worker runs as the daemon does: its pipe and trace are the daemon's uid's.
+        return Recorder(worker.rank, worker.pid, *paths, uid=os.geteuid())
 
     async def _log_routes(
         self, attempt: int, envs: dict[int, dict[str, str]], base: dict[str, str]

@@ -14,7 +14,10 @@ never delays another expiry:
     ones stuck in C code.
 
 Each dump is a text file under ``<state dir>/dumps/`` whose first line is a
-header naming the pid, scope and method; the newest ``keep`` are kept.
+header naming the pid, scope and method; the newest ``keep`` are kept. The
+NCCL flight-recorder traces of the hung process's group, when its ranks
+record them (:mod:`watchdogd.linux.flight_recorder`), are kept beside it
+as they were written, ``<id>.rank<N>.trace``, and listed in its header.
 """
 
 from __future__ import annotations
@@ -23,15 +26,16 @@ import contextlib
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
 import msgspec
 
 from watchdogd.linux.procs import ProcessHandle
-from watchdogd_client.protocol import DumpInfo
+from watchdogd_client.protocol import DumpInfo, TraceInfo
 
-__all__ = ["DumpInfo", "StackStore", "capture_faulthandler", "capture_pyspy"]
+__all__ = ["DumpInfo", "StackStore", "TraceInfo", "capture_faulthandler", "capture_pyspy"]
 
 _HEADER = "# watchdogd stack dump "
 _POLL = 0.002
@@ -61,7 +65,14 @@ class StackStore:
     def live_path(self, pid: int, start_time: int) -> Path:
         return self.directory / f"live-{pid}-{start_time}.faulthandler"
 
-    def save(self, pid: int, scope_id: str, method: str, text: str) -> DumpInfo:
+    def save(
+        self,
+        pid: int,
+        scope_id: str,
+        method: str,
+        text: str,
+        traces: Sequence[tuple[TraceInfo, bytes]] = (),
+    ) -> DumpInfo:
         now = time.time()
         info = DumpInfo(
             id=f"{int(now * 1000)}-{pid}",
@@ -70,11 +81,18 @@ class StackStore:
             method=method,
             timestamp=now,
             size=len(text),
+            traces=[trace for trace, _ in traces],
         )
+        for trace, data in traces:
+            if data:
+                self._trace_path(info.id, trace.rank).write_bytes(data)
         header = _HEADER + msgspec.json.encode(info).decode()
         (self.directory / f"{info.id}.txt").write_text(f"{header}\n{text}")
         self._prune()
         return info
+
+    def _trace_path(self, dump_id: str, rank: int) -> Path:
+        return self.directory / f"{dump_id}.rank{rank}.trace"
 
     def list(self) -> list[DumpInfo]:
         dumps = []
@@ -96,6 +114,19 @@ class StackStore:
             return None
         return msgspec.json.decode(header[len(_HEADER) :], type=DumpInfo), text
 
+    def read_trace(self, dump_id: str, rank: int) -> tuple[DumpInfo, bytes] | str:
+        """A dump's trace of global rank ``rank``, or why there is none."""
+        found = self.read(dump_id)
+        if found is None:
+            return f"no stack dump {dump_id!r}"
+        info = found[0]
+        trace = next((t for t in info.traces if t.rank == rank), None)
+        if trace is None:
+            return f"dump {dump_id} has no trace of rank {rank}"
+        if not trace.size:
+            return f"dump {dump_id} has no trace of rank {rank}: {trace.problem}"
+        return info, self._trace_path(dump_id, rank).read_bytes()
+
     def forget_process(self, pid: int, start_time: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.live_path(pid, start_time).unlink()
@@ -103,8 +134,10 @@ class StackStore:
     def _prune(self) -> None:
         dumps = self.list()
         for old in dumps[: max(0, len(dumps) - self.keep)]:
-            with contextlib.suppress(FileNotFoundError):
-                (self.directory / f"{old.id}.txt").unlink()
+            paths = [self._trace_path(old.id, t.rank) for t in old.traces if t.size]
+            for path in [self.directory / f"{old.id}.txt", *paths]:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
 
 async def capture_faulthandler(handle: ProcessHandle, path: Path, signal: int) -> str | None:

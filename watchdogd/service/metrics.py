@@ -28,10 +28,12 @@ from prometheus_client.registry import Collector
 from watchdogd.linux.procs import RunQueueClock
 from watchdogd.service.stats import Stats
 from watchdogd.service.timer_service import TimerService
-from watchdogd_client.groups import GroupState
+from watchdogd_client.groups import GroupInfo, GroupState
 
 # Each group's state and how many restarts it used (the groups' port for metrics).
 GroupStates = Callable[[], Iterable[tuple[GroupState, int]]]
+# What the groups show of themselves: restarts left, where their rendezvous stands.
+GroupInfos = Callable[[], Iterable[GroupInfo]]
 
 __all__ = ["HealthServer", "LoopMonitor", "Metrics", "parse_listen"]
 
@@ -82,11 +84,17 @@ class Metrics(Collector):
     """The daemon's state as Prometheus metrics, read at scrape time."""
 
     def __init__(
-        self, stats: Stats, timers: TimerService, groups: GroupStates, loop: LoopMonitor
+        self,
+        stats: Stats,
+        timers: TimerService,
+        groups: GroupStates,
+        infos: GroupInfos,
+        loop: LoopMonitor,
     ) -> None:
         self.stats = stats
         self.timers = timers
         self.groups = groups
+        self.infos = infos
         self.loop = loop
         self.registry = CollectorRegistry(auto_describe=False)
         self.expiry_latency = Histogram(
@@ -139,11 +147,33 @@ class Metrics(Collector):
             "Group restarts after failures.",
             sum(restarts for _, restarts in states),
         )
+        yield from self._per_group()
         yield GaugeMetricFamily(
             "watchdogd_event_loop_lag_seconds",
             "How late the event loop woke for its last tick.",
             max(self.loop.lag, self.loop.stalled_for()),
         )
+
+    def _per_group(self) -> Iterator[Metric]:
+        left = GaugeMetricFamily(
+            "watchdogd_group_restarts_left", "Restarts a group has left.", labels=["group"]
+        )
+        round_ = GaugeMetricFamily(
+            "watchdogd_rendezvous_round", "The group's rendezvous round.", labels=["group"]
+        )
+        waiting = GaugeMetricFamily(
+            "watchdogd_rendezvous_waiting_nodes",
+            "Nodes waiting to join the group's job (a scale-up restart is coming).",
+            labels=["group"],
+        )
+        for info in self.infos():
+            left.add_metric([info.name], info.restarts_left)
+            rdzv = info.rendezvous
+            if rdzv is not None and rdzv.round is not None:
+                round_.add_metric([info.name], rdzv.round)
+            if rdzv is not None:
+                waiting.add_metric([info.name], rdzv.waiting)
+        yield from (left, round_, waiting)
 
 
 class Health(msgspec.Struct):

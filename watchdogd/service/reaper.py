@@ -14,6 +14,11 @@ Rules
   own tasks: a slow one never delays another expiry. Dump files are
   written, and a client's faulthandler file removed when it exits, by
   worker threads, bounded too: a hung disk never holds the loop.
+- When the process is a worker whose group runs torch's NCCL flight
+  recorder, every rank of that group on this node is made to dump its
+  trace at the same time (a thread per rank polls for it), and the traces
+  are saved with the stacks; the capture and the save are then bounded by
+  the longer of ``stack_dump_timeout`` and ``flight_recorder_timeout``.
 - When the requested signal is not SIGKILL and the process is still alive
   ``kill_grace`` seconds later, it gets SIGKILL.
 """
@@ -32,10 +37,18 @@ import anyio.abc
 import anyio.to_thread
 
 from watchdogd.core.config import Config
+from watchdogd.core.flight_recorder import Recorder
 from watchdogd.core.ports import EventSink, Metadata, Supervision
 from watchdogd.core.timers import Timer
+from watchdogd.linux import flight_recorder
 from watchdogd.linux.procs import ProcessHandle, read_stat
-from watchdogd.linux.stacks import DumpInfo, StackStore, capture_faulthandler, capture_pyspy
+from watchdogd.linux.stacks import (
+    DumpInfo,
+    StackStore,
+    TraceInfo,
+    capture_faulthandler,
+    capture_pyspy,
+)
 from watchdogd.service.stats import Stats
 
 __all__ = ["Reaper"]
@@ -131,7 +144,7 @@ class Reaper:
             first = timer.signal > 0 and timer.pid not in chosen
             if first:
                 chosen.add(timer.pid)
-            if (handle is not None and self._wants_stacks(timer, first)) or self._escalates(timer):
+            if (handle is not None and self._wants_dump(timer, first)) or self._escalates(timer):
                 assert self._task_group is not None
                 self._task_group.start_soon(self._reap, timer, handle, first)
             elif first:
@@ -139,10 +152,13 @@ class Reaper:
             else:
                 self.events.emit("timer_expired", **describe(timer), action="recorded")
 
-    def _wants_stacks(self, timer: Timer, first: bool) -> bool:
-        mode = self.settings.stack_dumps
-        # Record-only timers get their stacks too: that is often their point.
-        return mode != "off" and (first or timer.signal <= 0)
+    def _wants_dump(self, timer: Timer, first: bool) -> bool:
+        # Record-only timers get their dump too: that is often their point.
+        if not (first or timer.signal <= 0):
+            return False
+        return self.settings.stack_dumps != "off" or bool(
+            self.supervision.flight_recorders(timer.pid)
+        )
 
     def _escalates(self, timer: Timer) -> bool:
         grace = self.settings.kill_grace
@@ -150,7 +166,7 @@ class Reaper:
 
     async def _reap(self, timer: Timer, handle: ProcessHandle | None, first: bool) -> None:
         dump = None
-        if handle is not None and self._wants_stacks(timer, first):
+        if handle is not None and self._wants_dump(timer, first):
             dump = await self._capture(timer, handle)
         if not first:
             self.events.emit(
@@ -176,35 +192,80 @@ class Reaper:
             )
 
     async def _capture(self, timer: Timer, handle: ProcessHandle) -> DumpInfo | None:
+        """Stacks and the group's collective traces, taken together, then saved: bounded."""
         config = self.settings
-        text, method = None, ""
-        registered = self.faulthandlers.get(timer.pid)
-        with anyio.move_on_after(config.stack_dump_timeout):
-            if registered is not None and registered[0] == handle.start_time:
-                method = "faulthandler"
-                path = self.stacks.live_path(timer.pid, handle.start_time)
-                text = await capture_faulthandler(handle, path, registered[1])
-            if text is None and config.stack_dumps in ("auto", "py-spy") and not handle.exited():
-                method = "py-spy"
-                text = await capture_pyspy(timer.pid)
-            if text is None or not self._still_same(handle):
-                return None  # it exited meanwhile: what we read may be a newcomer's stacks
+        recorders = self.supervision.flight_recorders(timer.pid)
+        bound = max(config.stack_dump_timeout, config.flight_recorder_timeout if recorders else 0)
+        stacks: list[tuple[str, str]] = []
+        traces: list[tuple[TraceInfo, bytes]] = []
+        with anyio.move_on_after(bound):
+            async with anyio.create_task_group() as tg:
+                if config.stack_dumps != "off":
+                    tg.start_soon(self._capture_stacks, timer, handle, stacks)
+                for recorder in recorders:
+                    tg.start_soon(self._collect_trace, recorder, traces)
+            if stacks and not self._still_same(handle):
+                stacks.clear()  # it exited meanwhile: what we read may be a newcomer's stacks
+            if not stacks and not any(data for _, data in traces):
+                return None
+            method, text = stacks[0] if stacks else ("", "")
+            traces.sort(key=lambda trace: trace[0].rank)
             # Saved before the signal, so that the dump exists once the process is
             # gone; in a thread, and within the same bound, so that a hung disk
-            # delays the kill by at most stack_dump_timeout and the loop not at all.
-            save = partial(self.stacks.save, timer.pid, timer.scope_id, method, text)
+            # delays the kill by at most that bound and the loop not at all.
+            save = partial(self.stacks.save, timer.pid, timer.scope_id, method, text, traces)
             try:
                 return await anyio.to_thread.run_sync(save, abandon_on_cancel=True)
             except OSError as e:
                 log.error("cannot save the stack dump of pid %d: %s", timer.pid, e.strerror)
                 return None
-        if text is not None:
+        if stacks or traces:
             log.error(
                 "saving the stack dump of pid %d took over %g s: left to finish on its own",
                 timer.pid,
-                config.stack_dump_timeout,
+                bound,
             )
         return None
+
+    async def _capture_stacks(
+        self, timer: Timer, handle: ProcessHandle, found: list[tuple[str, str]]
+    ) -> None:
+        """Append ``(method, text)``: faulthandler if the client registered it, else py-spy."""
+        config = self.settings
+        registered = self.faulthandlers.get(timer.pid)
+        with anyio.move_on_after(config.stack_dump_timeout):
+            text = None
+            if registered is not None and registered[0] == handle.start_time:
+                path = self.stacks.live_path(timer.pid, handle.start_time)
+                text = await capture_faulthandler(handle, path, registered[1])
+                method = "faulthandler"
+            if text is None and config.stack_dumps in ("auto", "py-spy") and not handle.exited():
+                text = await capture_pyspy(timer.pid)
+                method = "py-spy"
+            if text is not None:
+                found.append((method, text))
+
+    async def _collect_trace(
+        self, recorder: Recorder, found: list[tuple[TraceInfo, bytes]]
+    ) -> None:
+        """Append one rank's flight-recorder trace, or why there is none."""
+        timeout = self.settings.flight_recorder_timeout
+        collect = partial(flight_recorder.collect, recorder, time.monotonic() + timeout)
+        collected = await anyio.to_thread.run_sync(collect, abandon_on_cancel=True)
+        if collected.problem:
+            log.warning(
+                "flight recorder of rank %d (pid %d): %s",
+                recorder.rank,
+                recorder.pid,
+                collected.problem,
+            )
+        info = TraceInfo(
+            rank=recorder.rank,
+            pid=recorder.pid,
+            size=len(collected.data),
+            problem=collected.problem,
+        )
+        found.append((info, collected.data))
 
     @staticmethod
     def _still_same(handle: ProcessHandle) -> bool:

@@ -19,6 +19,9 @@ Rules
 - A frame longer than ``max_frame`` cannot be skipped safely: it is
   reported and ends the connection. A bug costs one request (``internal``),
   never the daemon.
+- What reads files (the dumps, their traces) is answered :class:`OffLoop`:
+  the transport runs it in a worker thread, so a slow disk never holds the
+  loop.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import NamedTuple
 
 import msgspec
@@ -40,7 +44,7 @@ from watchdogd.service.timer_service import ErrorReply, TimerService
 from watchdogd_client import protocol as p
 from watchdogd_client.framing import FrameSplitter, FrameTooLargeError, frame
 
-__all__ = ["Close", "Follow", "Peer", "SendFd", "Session", "SessionPorts"]
+__all__ = ["Close", "Follow", "OffLoop", "Peer", "SendFd", "Session", "SessionPorts"]
 
 log = logging.getLogger("watchdogd")
 
@@ -97,7 +101,14 @@ class Close(NamedTuple):
     """Send what is queued, then close the connection."""
 
 
-Outgoing = bytes | SendFd | Follow | Close
+class OffLoop(NamedTuple):
+    """Send what is queued, then the reply ``work`` makes in a worker thread (it reads files)."""
+
+    seq: int
+    work: Callable[[], p.Reply]
+
+
+Outgoing = bytes | SendFd | Follow | OffLoop | Close
 
 
 class Session:
@@ -115,7 +126,7 @@ class Session:
                 reply = self._handle_frame(payload)
                 if reply is None:
                     continue
-                if isinstance(reply, Follow | SendFd):
+                if isinstance(reply, Follow | SendFd | OffLoop):
                     yield reply
                     continue
                 yield encode(reply)
@@ -127,7 +138,7 @@ class Session:
             yield encode(p.Error(self.seq, "bad_frame", f"{e}; closing"))
             yield Close()
 
-    def _handle_frame(self, payload: bytes) -> p.Reply | Follow | SendFd | None:
+    def _handle_frame(self, payload: bytes) -> p.Reply | Follow | SendFd | OffLoop | None:
         seq = self.seq
         self.seq += 1
         try:
@@ -167,7 +178,7 @@ class Session:
             return welcome
         return SendFd(encode(msgspec.structs.replace(welcome, stack_dumps=True)), fd)
 
-    def _dispatch(self, seq: int, request: p.Request) -> p.Reply | Follow | SendFd | None:
+    def _dispatch(self, seq: int, request: p.Request) -> p.Reply | Follow | SendFd | OffLoop | None:
         if not self.greeted:
             return self._greet(seq, request)
         ports, peer = self.ports, self.peer
@@ -200,12 +211,14 @@ class Session:
                     return Follow(request, seq)
                 return p.EventBatch(seq, ports.events.since(since_ms, limit))
             case p.ListDumps():
-                return p.DumpList(seq, ports.stacks.list())
-            case p.GetDump(dump_id):
-                found = ports.stacks.read(dump_id)
-                if found is None:
-                    return p.Error(seq, "bad_request", f"no stack dump {dump_id!r}")
-                return p.DumpText(seq, *found)
+                return OffLoop(seq, lambda: p.DumpList(seq, ports.stacks.list()))
+            case p.GetDump(dump_id, None):
+                return OffLoop(seq, partial(self._read_dump, seq, dump_id))
+            case p.GetDump(dump_id, int(rank)):
+                return OffLoop(seq, partial(self._read_trace, seq, dump_id, rank))
+            case p.GetTimeline():
+                # As for timers: operators see every one, others those of their processes.
+                return p.Timeline(seq, timers.timeline_spans(None if peer.admin else peer.uid))
             case p.ListGroups():
                 return p.GroupList(seq, ports.groups.infos())
             case p.SubmitGroup() | p.StopGroup() | p.RestartGroup():
@@ -216,6 +229,19 @@ class Session:
             return None
         timers.refused("socket", target, getattr(request, "scope_id", ""), error)
         return p.Error(seq, *error)
+
+    def _read_dump(self, seq: int, dump_id: str) -> p.Reply:
+        found = self.ports.stacks.read(dump_id)
+        if found is None:
+            return p.Error(seq, "bad_request", f"no stack dump {dump_id!r}")
+        return p.DumpText(seq, *found)
+
+    def _read_trace(self, seq: int, dump_id: str, rank: int) -> p.Reply:
+        found = self.ports.stacks.read_trace(dump_id, rank)
+        if isinstance(found, str):
+            return p.Error(seq, "bad_request", found)
+        info, data = found
+        return p.DumpTrace(seq, info, rank, data)
 
     def _control_group(
         self, seq: int, request: p.SubmitGroup | p.StopGroup | p.RestartGroup

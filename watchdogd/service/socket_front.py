@@ -11,16 +11,28 @@ stalls only itself, at a bounded cost.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import struct
+from collections.abc import Callable
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 from anyio.abc import SocketAttribute
 
 from watchdogd.linux.procs import ProcessHandle, open_process
-from watchdogd.service.session import Close, Follow, Peer, SendFd, Session, SessionPorts, encode
+from watchdogd.service.session import (
+    Close,
+    Follow,
+    OffLoop,
+    Peer,
+    SendFd,
+    Session,
+    SessionPorts,
+    encode,
+)
 from watchdogd_client import protocol as p
 
 __all__ = ["SocketFront"]
@@ -32,6 +44,10 @@ _SO_PEERPIDFD = 77
 _MAX_GROUPS = 1024
 # Events sent to a follower in one frame at most.
 _EVENT_BATCH = 256
+# The longest a reply read from disk may take (a hung filesystem ties up one thread).
+_OFF_LOOP_TIMEOUT = 10.0
+
+log = logging.getLogger("watchdogd")
 
 
 def _pin_peer(raw: socket.socket, pid: int) -> ProcessHandle | None:
@@ -128,6 +144,9 @@ class SocketFront:
                     case SendFd(reply, fd):
                         await flush()
                         await self._send_with_fd(stream, reply, fd)
+                    case OffLoop(seq, work):
+                        await flush()
+                        await stream.send(await self._off_loop(seq, work))
                     case Follow(request, seq):
                         await flush()
                         await self._stream_events(stream, request, seq)
@@ -136,6 +155,24 @@ class SocketFront:
                         await flush()
                         return
             await flush()
+
+    @staticmethod
+    async def _off_loop(seq: int, work: Callable[[], p.Reply]) -> bytes:
+        """``work``'s reply, made and encoded in a thread (a trace may be megabytes), bounded."""
+
+        def reply() -> bytes:
+            try:
+                return encode(work())
+            except OSError as e:
+                return encode(p.Error(seq, "internal", f"{e.filename}: {e.strerror}"))
+            except Exception as e:  # a bug costs this request, never the connection
+                log.exception("internal error reading a reply from disk")
+                return encode(p.Error(seq, "internal", f"{type(e).__name__}: {e}"))
+
+        with anyio.move_on_after(_OFF_LOOP_TIMEOUT):
+            return await anyio.to_thread.run_sync(reply, abandon_on_cancel=True)
+        message = f"the dumps directory did not answer within {_OFF_LOOP_TIMEOUT:.0f} s"
+        return encode(p.Error(seq, "internal", message))
 
     async def _stream_events(
         self, stream: anyio.abc.SocketStream, request: p.GetEvents, seq: int

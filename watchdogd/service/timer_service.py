@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import math
 import os
 import time
@@ -44,6 +45,7 @@ from watchdogd.linux.snapshot import SnapshotTimer
 from watchdogd.linux.stacks import StackStore
 from watchdogd.service.reaper import Reaper
 from watchdogd.service.stats import Stats
+from watchdogd.service.timeline import Timeline
 from watchdogd_client import protocol as p
 
 __all__ = ["ErrorReply", "TimerOperations", "TimerService"]
@@ -119,6 +121,7 @@ class TimerService:
             observe_latency=observe_latency,
         )
         self.limits = config.limits
+        self.timeline = Timeline(config.timeline_size)
         self._policy = build_policy(config)
         # pid -> (via, uid, admin, signal) the policy allowed, until the process exits.
         self._approved: dict[int, set[tuple[str, int, bool, int]]] = {}
@@ -132,6 +135,7 @@ class TimerService:
     def reconfigure(self, config: Config) -> None:
         """Apply reloaded limits, policy and reaper settings; timers are untouched."""
         self.limits = config.limits
+        self.timeline.resize(config.timeline_size)
         self._policy = build_policy(config)
         self._approved.clear()
         self.reaper.settings = config
@@ -181,30 +185,37 @@ class TimerService:
             return refusal
         if new_handle:
             self.watch_process(handle)
-        deadline = time.monotonic() + (expiration_time - time.time())
+        now = time.monotonic()
+        deadline = now + (expiration_time - time.time())
         source: Literal["fifo", "socket"] = requester.via
-        if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid):
+        if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid, now):
             self._wake.set()
         self._mark_changed()
         return None
 
     def release(self, requester: Requester, pid: int, scope_id: str) -> ErrorReply | None:
-        if self.table.get(pid, scope_id) is None:
+        timer = self.table.get(pid, scope_id)
+        if timer is None:
             return None
-        refusal = self._permitted(requester, self.processes[pid], 0)
+        handle = self.processes[pid]
+        refusal = self._permitted(requester, handle, 0)
         if refusal is not None:
             return refusal
         self.table.release(pid, scope_id)
+        self.timeline.record((timer, time.monotonic(), "released", handle.uid))
         self._mark_changed()
         return None
 
     def release_all(self, requester: Requester, pid: int) -> ErrorReply | None:
         if self.table.count_for(pid) == 0:
             return None
-        refusal = self._permitted(requester, self.processes[pid], 0)
+        handle = self.processes[pid]
+        refusal = self._permitted(requester, handle, 0)
         if refusal is not None:
             return refusal
-        self.table.release_pid(pid)
+        now = time.monotonic()
+        for timer in self.table.release_pid(pid):
+            self.timeline.record((timer, now, "released", handle.uid))
         self._mark_changed()
         return None
 
@@ -268,6 +279,9 @@ class TimerService:
         self._approved.pop(handle.pid, None)
         dropped = self.table.release_pid(handle.pid)
         if dropped:
+            now = time.monotonic()
+            for timer in dropped:
+                self.timeline.record((timer, now, "dropped", handle.uid))
             self._mark_changed()
             self.stats.dropped += len(dropped)
             self.events.emit(
@@ -310,7 +324,12 @@ class TimerService:
     def expire(self, now: float) -> None:
         """Hand every timer due by ``now`` to the reaper."""
         self._mark_changed()
-        self.reaper.expire(self.table.pop_expired(now))
+        expired = self.table.pop_expired(now)
+        processes = self.processes
+        for timer in expired:
+            handle = processes.get(timer.pid)
+            self.timeline.record((timer, now, "expired", -1 if handle is None else handle.uid))
+        self.reaper.expire(expired)
 
     # -- persistence's port -----------------------------------------------------------
 
@@ -358,11 +377,30 @@ class TimerService:
                 return False
             self.watch_process(handle)
         deadline = now + (saved.expiration_time - wall)
-        self.table.arm(saved.pid, saved.scope_id, deadline, saved.signal, saved.source, saved.uid)
+        # When it was first armed is not saved: its slice starts at the restore.
+        self.table.arm(
+            saved.pid, saved.scope_id, deadline, saved.signal, saved.source, saved.uid, now
+        )
         self._mark_changed()
         return True
 
     # -- queries ----------------------------------------------------------------------
+
+    def timeline_spans(self, uid: int | None) -> list[p.TimerSpan]:
+        """Recent timers from arming to their end, then live ones (those of ``uid``'s processes).
+
+        At most ``timeline_size`` live ones, whichever come first, unsorted: for an
+        operator the work on the loop stays bounded however many timers the node
+        holds; for others it is a scan for their own, as ``timer_list``'s.
+        """
+        processes = self.processes
+
+        def owner(timer: Timer) -> int:
+            handle = processes.get(timer.pid)
+            return -1 if handle is None else handle.uid
+
+        live = ((t, owner(t)) for t in self.table if uid is None or owner(t) == uid)
+        return self.timeline.spans(itertools.islice(live, self.timeline.ended.maxlen or 0), uid)
 
     def timer_list(self, seq: int, uid: int | None) -> p.TimerList:
         """The soonest timers (of processes of ``uid``; all when None), and how many exist."""

@@ -1,0 +1,215 @@
+"""Collective traces before the kill: every rank's NCCL flight recorder, made to dump.
+
+The ranks run ``tests/flight_recorder_standin.py``, which owns its pipe and
+writes its trace when poked as torch's ``ProcessGroupNCCL`` does; real
+FIFOs, real processes, the installed commands.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from watchdogd.core.flight_recorder import Recorder, decode_trace, trace_rows
+from watchdogd.linux.flight_recorder import collect
+
+from ..conftest import REPO, wait_until
+from ..flight_recorder_standin import FlightRecorder
+from .test_cli import ctl, serve
+
+STANDIN = REPO / "tests" / "flight_recorder_standin.py"
+
+
+def test_a_hang_leaves_the_trace_of_every_rank_of_its_group(short_dir: Path) -> None:
+    sock = short_dir / "watchdogd.sock"
+    spec = short_dir / "fr.toml"
+    spec.write_text(
+        f"""
+        name = "fr"
+        entrypoint = [{sys.executable!r}, {str(STANDIN)!r}, "3", "1"]
+        nproc = 2
+        flight_recorder = true
+        log_dir = {str(short_dir / "logs")!r}
+        env = {{ TORCH_NCCL_COORD_CHECK_MILSEC = "50", PYTHONPATH = {str(REPO / "client")!r} }}
+        """.replace("\n        ", "\n")
+    )
+    with serve(short_dir):
+        assert ctl(sock, "submit", str(spec)).returncode == 0
+        wait_until(lambda: json.loads(ctl(sock, "dumps", "--json").stdout) != [], 30)
+        (dump,) = json.loads(ctl(sock, "dumps", "--json").stdout)
+        assert dump["scope_id"] == "step"
+        assert [(t["rank"], t["size"] > 0, t["problem"]) for t in dump["traces"]] == [
+            (0, True, ""),
+            (1, True, ""),
+        ]
+        listing = ctl(sock, "dump", dump["id"]).stdout
+        assert "in main" in listing  # the hung rank's stacks come first
+        ranks = {
+            line.split()[0]: line
+            for line in listing.split("flight-recorder traces")[1].splitlines()[3:]
+        }
+        # Rank 0 waits in the all_reduce that rank 1, the hung one, never reached.
+        rank0, rank1 = ranks["0"], ranks["1"]
+        assert "waiting in nccl:all_reduce (pg 0:default_pg, seq 4, started)" in rank0
+        assert "nothing pending; last nccl:all_reduce (pg 0:default_pg, seq 3" in rank1
+        trace = ctl(sock, "dump", dump["id"], "--trace", "1")
+        assert trace.returncode == 0, trace.stderr
+        lines = trace.stdout.splitlines()
+        assert lines[0] == (
+            "# flight recorder 2.10: nothing pending; "
+            "last nccl:all_reduce (pg 0:default_pg, seq 3, completed)"
+        )
+        rows = [line.split() for line in lines if line.split()[3:4] == ["nccl:all_reduce"]]
+        assert [(row[2], row[4]) for row in rows] == [
+            ("1", "completed"),
+            ("2", "completed"),
+            ("3", "completed"),
+        ]
+        raw = subprocess.run(
+            ["watchdogctl", "--socket", str(sock), "dump", dump["id"], "--trace", "0", "--raw"],
+            capture_output=True,
+            check=True,
+        )
+        assert decode_trace(raw.stdout)["entries"][-1]["state"] == "started"  # type: ignore[index]
+        missing = ctl(sock, "dump", dump["id"], "--trace", "5")
+        assert missing.returncode == 1
+        assert "no trace of rank 5" in missing.stderr
+        # The variables --flight-recorder sets: a directory per attempt, beside the logs.
+        recorder_dir = short_dir / "logs" / "fr" / "attempt_0" / "flight_recorder"
+        assert sorted(p.name for p in recorder_dir.iterdir()) == [
+            "pipe_rank_0.pipe",
+            "pipe_rank_1.pipe",
+            "trace_rank_0",
+            "trace_rank_1",
+        ]
+        assert stat.S_IMODE(recorder_dir.stat().st_mode) == 0o700
+
+
+@pytest.fixture
+def recorder(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Rank 3's recorder, listening in this process (its monitor thread polls every 10 ms)."""
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", str(short_dir / "pipe_"))
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(short_dir / "trace_"))
+    monkeypatch.setenv("TORCH_NCCL_COORD_CHECK_MILSEC", "10")
+    standin = FlightRecorder(3)
+    standin.record("broadcast", "completed")
+    assert standin.listen()
+    return Recorder(
+        3, os.getpid(), str(short_dir / "pipe_3.pipe"), str(short_dir / "trace_3"), os.geteuid()
+    )
+
+
+def test_collect_takes_the_new_trace_not_the_one_an_earlier_attempt_left(
+    recorder: Recorder,
+) -> None:
+    Path(recorder.trace).write_bytes(pickle.dumps({"entries": []}, protocol=2))
+    collected = collect(recorder, time.monotonic() + 5)
+    assert collected.problem == ""
+    assert pickle.loads(collected.data)["entries"][0]["profiling_name"] == "nccl:broadcast"
+
+
+def test_collect_says_why_when_nobody_reads_the_pipe(short_dir: Path) -> None:
+    pipe = short_dir / "pipe_0.pipe"
+    os.mkfifo(pipe)
+    recorder = Recorder(0, 1, str(pipe), str(short_dir / "trace_0"), os.geteuid())
+    started = time.monotonic()
+    assert "nobody reads" in collect(recorder, time.monotonic() + 5).problem
+    assert time.monotonic() - started < 1  # no wait for a trace that cannot come
+
+
+def test_collect_never_writes_through_a_symlink_or_into_a_plain_file(short_dir: Path) -> None:
+    target = short_dir / "precious"
+    target.write_text("keep me")
+    link = short_dir / "link_0.pipe"
+    link.symlink_to(target)
+    plain = short_dir / "plain_0.pipe"
+    plain.write_text("also mine")
+    missing = short_dir / "missing_0.pipe"
+    problems = [
+        collect(
+            Recorder(0, 1, str(path), str(short_dir / "t0"), os.geteuid()), time.monotonic() + 1
+        ).problem
+        for path in (link, plain, missing)
+    ]
+    assert "symlink: not followed" in problems[0]
+    assert "not a FIFO" in problems[1]
+    assert "no flight recorder listening" in problems[2]
+    assert target.read_text() == "keep me"
+    assert plain.read_text() == "also mine"
+
+
+def test_collect_does_not_follow_a_symlink_planted_at_the_trace(
+    recorder: Recorder, short_dir: Path
+) -> None:
+    secret = short_dir / "secret"
+    secret.write_bytes(b"\x80\x02}q\x00.")  # a pickle, but not the rank's
+    Path(recorder.trace).symlink_to(secret)
+    started = time.monotonic()
+    collected = collect(recorder, time.monotonic() + 2)
+    assert collected.data == b""
+    assert "symlink: not followed, and the rank not asked to write" in collected.problem
+    assert time.monotonic() - started < 1
+    time.sleep(0.05)  # several polls of the rank's monitor: it was not poked
+    assert secret.read_bytes() == b"\x80\x02}q\x00."
+
+
+def test_collect_keeps_a_trace_still_being_written_at_the_deadline_and_says_so(
+    short_dir: Path,
+) -> None:
+    pipe = short_dir / "pipe_0.pipe"
+    os.mkfifo(pipe)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+    trace = short_dir / "trace_0"
+    stop = threading.Event()
+
+    def slow_writer() -> None:  # a dump that never finishes: it grows and never ends as a pickle
+        with trace.open("wb") as f:
+            f.write(b"\x80\x02}(")
+            while not stop.wait(0.005):
+                f.write(b"X")
+                f.flush()
+
+    writer = threading.Thread(target=slow_writer)
+    writer.start()
+    try:
+        recorder = Recorder(0, 1, str(pipe), str(trace), os.geteuid())
+        collected = collect(recorder, time.monotonic() + 0.3)
+    finally:
+        stop.set()
+        writer.join()
+        os.close(reader)
+    assert collected.data.startswith(b"\x80\x02}(")
+    assert "incomplete" in collected.problem
+
+
+def test_a_real_torch_trace_decodes(tmp_path: Path) -> None:
+    """What torch 2.13 itself writes (gloo's recorder, on CPU): values only, read as such."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    out = tmp_path / "trace"
+    code = f"""
+import os, socket
+os.environ["TORCH_FR_BUFFER_SIZE"] = "10"
+import torch, torch.distributed as dist
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+dist.all_reduce(torch.ones(4))
+open({str(out)!r}, "wb").write(torch._C._distributed_c10d._dump_fr_trace())
+dist.destroy_process_group()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, capture_output=True)
+    trace = decode_trace(out.read_bytes())
+    (row,) = trace_rows(trace)
+    assert row[3] == "gloo:all_reduce"
+    assert row[6] == [[4]]
