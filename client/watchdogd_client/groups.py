@@ -149,6 +149,8 @@ class RendezvousInfo(msgspec.Struct, kw_only=True):
     group_rank: int
     group_world_size: int
     waiting: int = 0
+    fenced_since: float | None = None
+    """Wall-clock time this node fenced itself, cut off from the rendezvous (None: not)."""
 
 
 class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -11,7 +11,9 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -54,13 +56,16 @@ def node(
     want: int,
     *extra: str,
     net: Subnet | None = None,
+    endpoint: str | None = None,
 ) -> subprocess.Popen[str]:
-    """A node: ``watchdogd run`` here, or inside ``net``'s namespace at its own address."""
+    """A node: ``watchdogd run`` here, or inside ``net``'s namespace at its own address;
+    ``endpoint``: etcd's, when reached another way. ``want`` 0: the workers never end."""
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    endpoint, address, prefix = etcd.endpoint, "127.0.0.1", []
+    address, prefix = "127.0.0.1", []
+    endpoint = endpoint or etcd.endpoint
     if net is not None:
         endpoint = f"{net.host_addr}:{etcd.client_port}"
         address, prefix = net.ns_addr, ["ip", "netns", "exec", net.ns]
@@ -205,14 +210,100 @@ def test_a_node_cut_off_by_a_partition_is_lost_and_the_others_go_on(
     with isolated_subnet() as net, running_etcd(etcd_binary, also_listen=net.host_addr) as etcd:
         run = f"job-{uuid.uuid4().hex[:8]}"
         here = [node(etcd, run, tmp_path, "2:3", 2, "--max-restarts", "1") for _ in range(2)]
-        away = node(etcd, run, tmp_path, "2:3", 2, "--max-restarts", "1", net=net)
+        events = tmp_path / "away.jsonl"
+        away = node(etcd, run, tmp_path, "2:3", 2, "--max-restarts", "1",
+                    "--shutdown-timeout", "1", "--event-log", str(events), net=net)  # fmt: skip
         wait_until(lambda: len(reports(tmp_path)) == 3, timeout=30)
         assert {r["WORLD_SIZE"] for r in reports(tmp_path)} == {"3"}
         subprocess.run(["ip", "link", "set", net.host_if, "down"], check=True)  # the partition
         cut = time.monotonic()
+        # It fences itself: no worker left by lease TTL + shutdown timeout + 1 s.
+        wait_until(lambda: children(away.pid) == [], timeout=2 + 1 + 1)
+        fenced = time.monotonic() - cut
+        assert "rdzv_fenced" in events.read_text()
         assert finish(*here) == [0, 0]
         took = time.monotonic() - cut
-        print(f"\npartition (lease TTL 2 s): cut to the other two done at 2 nodes {took:.2f}s")
+        print(f"\npartition (lease TTL 2 s): cut to the cut-off node's workers gone {fenced:.2f}s, "
+              f"to the other two done at 2 nodes {took:.2f}s")  # fmt: skip
         at_two = [r for r in reports(tmp_path) if r["WORLD_SIZE"] == "2"]
         assert sorted(int(r["RANK"]) for r in at_two) == [0, 1]
-        assert away.poll() is None  # cut off, it cannot know yet; the fixture ends it
+        assert away.poll() is None  # still serving timers, waiting for etcd; the fixture ends it
+
+
+class FreezableProxy:
+    """A TCP path to etcd that can be cut without a reset: bytes just stop moving."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.moving = threading.Event()
+        self.moving.set()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                self.moving.wait()
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
+def _socket_of(events: Path) -> str:
+    started = next(
+        json.loads(line) for line in events.read_text().splitlines() if '"daemon_started"' in line
+    )
+    return str(started["metadata"]["socket"])
+
+
+def test_a_node_whose_etcd_path_stalls_fences_itself_then_rejoins(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    proxy = FreezableProxy(("127.0.0.1", etcd.client_port))
+    run = f"job-{uuid.uuid4().hex[:8]}"
+    here = node(etcd, run, tmp_path, "1:2", 0, "--max-restarts", "5")
+    events = tmp_path / "away.jsonl"
+    away = node(etcd, run, tmp_path, "1:2", 0, "--max-restarts", "5", "--shutdown-timeout",
+                "1", "--event-log", str(events), endpoint=f"127.0.0.1:{proxy.port}")  # fmt: skip
+
+    def sizes() -> list[str]:
+        return sorted(r["WORLD_SIZE"] for r in reports(tmp_path))
+
+    wait_until(lambda: sizes() == ["2", "2"], timeout=30)
+    workers = children(away.pid)
+    # A blip shorter than the fence margin stops nothing.
+    proxy.moving.clear()
+    time.sleep(0.3)
+    proxy.moving.set()
+    time.sleep(3)
+    assert children(away.pid) == workers and sizes() == ["2", "2"]
+    assert "rdzv_fenced" not in events.read_text()
+    # Cut for good: it fences itself; the other node re-forms alone.
+    proxy.moving.clear()
+    cut = time.monotonic()
+    wait_until(lambda: children(away.pid) == [], timeout=2 + 1 + 1)
+    print(f"\nstalled etcd path (lease TTL 2 s): workers gone {time.monotonic() - cut:.2f}s after")
+    wait_until(lambda: "1" in sizes(), timeout=20)
+    status = subprocess.run(["watchdogctl", "--socket", _socket_of(events), "status"],
+                            capture_output=True, text=True, timeout=10)  # fmt: skip
+    assert "FENCED since" in status.stdout, status.stdout + status.stderr
+    groups = subprocess.run(["watchdogctl", "--socket", _socket_of(events), "groups"],
+                            capture_output=True, text=True, timeout=10)  # fmt: skip
+    assert "FENCED" in groups.stdout
+    # The path comes back: it rejoins as a new member, and the job grows back to 2.
+    proxy.moving.set()
+    wait_until(lambda: sizes().count("2") >= 4, timeout=30)
+    text = events.read_text()
+    assert "rdzv_unfenced" in text and "rdzv_fenced" in text
+    assert here.poll() is None and away.poll() is None

@@ -97,7 +97,7 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
             print(
                 f"rendezvous {group.name}: {rdzv.backend}, run {rdzv.run_id}, round {rdzv.round}, "
                 f"rank {rdzv.group_rank} of {rdzv.group_world_size} nodes, "
-                f"{rdzv.waiting} waiting"
+                f"{rdzv.waiting} waiting" + _fenced(rdzv.fenced_since)
             )
     print()
     if not gpus:
@@ -117,6 +117,13 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
         for g in status.gpus
     ]
     print(tabulate(gpu_rows, headers=["GPU", "NAME", "MEMORY", "TEMP", "PROCESSES (GROUP:RANK)"]))
+
+
+def _fenced(since: float | None) -> str:
+    if since is None:
+        return ""
+    when = time.strftime("%H:%M:%S", time.localtime(since))
+    return f"; FENCED since {when} ({time.time() - since:.0f} s): cut off from the rendezvous"
 
 
 def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
@@ -139,10 +146,11 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
             for s in group.spares
         )
         failure = group.last_failure
+        fenced = group.rendezvous is not None and group.rendezvous.fenced_since is not None
         rows.append(
             (
                 group.name,
-                group.state.value,
+                "FENCED" if fenced else group.state.value,
                 group.attempt,
                 group.restarts_left,
                 workers,

@@ -99,7 +99,7 @@ class RestartCount(msgspec.Struct, frozen=True, kw_only=True):
 
 
 Where = Literal["running", "joined", "waiting", "absent"]
-Change = Literal["waiting", "lost", "closed"]
+Change = Literal["waiting", "lost", "fenced", "closed"]
 
 
 def _has(members: Iterable[Member], node: str) -> bool:

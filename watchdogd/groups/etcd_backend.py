@@ -135,4 +135,5 @@ class EtcdBackend:
             group_rank=result.group_rank if result else -1,
             group_world_size=result.group_world_size if result else 0,
             waiting=self.rendezvous.num_nodes_waiting(),
+            fenced_since=self.rendezvous.fenced_since,
         )

@@ -58,8 +58,9 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
+from functools import partial
 from types import TracebackType
 from typing import NamedTuple, Self
 
@@ -244,6 +245,18 @@ class EtcdRendezvous:
         self._members: tuple[str, ...] = ()
         self._round_revision = 0
         self._lost_self = False
+        # Self-fencing: the lease lives on etcd's clock from the moment etcd took a
+        # renewal, which is after this node sent it. So the send time of the last
+        # renewal that succeeded, plus the TTL, bounds the lease's end from below
+        # (both clocks run at the same rate to within NTP's 500 ppm): stopping the
+        # workers a margin before that, on the monotonic clock, stops them before
+        # the others can have dropped this node and re-formed without it.
+        self.fence_margin = max(0.5, lease_ttl / 4)
+        self.fenced_since: float | None = None
+        """Wall-clock time this node fenced itself (None: it is not fenced)."""
+        self._renewed_at = time.monotonic()
+        self._renewal = anyio.Event()
+        self._fenced = anyio.Event()
 
     # -- lifetime ----------------------------------------------------------------
 
@@ -256,6 +269,7 @@ class EtcdRendezvous:
             self._task_group = await stack.enter_async_context(anyio.create_task_group())
             await self._task_group.start(self._mirror.run, self._store)
             self._task_group.start_soon(self._keep_alive)
+            self._task_group.start_soon(self._fence_when_unrenewed)
             self._stack = stack.pop_all()
         return self
 
@@ -273,6 +287,7 @@ class EtcdRendezvous:
     async def _register(self, deadline: float = math.inf) -> None:
         """Put this node's key on a fresh lease (at start, and after the lease was lost)."""
         async with self._register_lock:
+            sent = time.monotonic()
             lease = await self._store.grant(self.lease_ttl, deadline=deadline)
             record = NodeRecord(
                 name=self.node_name,
@@ -284,6 +299,7 @@ class EtcdRendezvous:
                 _NODES + self.node_id, _encoder.encode(record), lease=lease, deadline=deadline
             )
             self._lease = lease
+            self._renewed(sent)
 
     async def _revoke(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -297,7 +313,10 @@ class EtcdRendezvous:
     async def _keep_alive(self) -> None:
         while True:
             await anyio.sleep(self.lease_ttl / 3)
-            if await self._store.refresh(self._lease) <= 0:
+            sent = time.monotonic()
+            if await self._store.refresh(self._lease) > 0:
+                self._renewed(sent)
+            else:
                 # etcd let the lease expire (we were cut off): the others dropped us.
                 self._lost_self = True
                 self._emit(
@@ -306,6 +325,35 @@ class EtcdRendezvous:
                     NodeState.FAILED,
                 )
                 await self._register()
+
+    def _renewed(self, sent: float) -> None:
+        self._renewed_at = max(self._renewed_at, sent)
+        self._renewal.set()
+        self._renewal = anyio.Event()
+        if self.fenced_since is not None:
+            self.fenced_since = None
+            self._fenced = anyio.Event()
+            self._emit("unfenced", f"{self.node_id}: etcd renews this node again", NodeState.INIT)
+
+    async def _fence_when_unrenewed(self) -> None:
+        """Fence this node ``fence_margin`` before its lease can have run out on etcd."""
+        while True:
+            deadline = self._renewed_at + self.lease_ttl - self.fence_margin
+            if time.monotonic() < deadline or self.fenced_since is not None:
+                with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                    await self._renewal.wait()
+                if self.fenced_since is not None:
+                    await self._renewal.wait()
+                continue
+            self.fenced_since = time.time()
+            unrenewed = time.monotonic() - self._renewed_at
+            self._emit(
+                "fenced",
+                f"{self.node_id}: no lease renewal for {unrenewed:.1f} s (TTL {self.lease_ttl} s): "
+                "its workers are stopped before the others can have re-formed without it",
+                NodeState.FAILED,
+            )
+            self._fenced.set()
 
     # -- rendezvous --------------------------------------------------------------
 
@@ -440,14 +488,18 @@ class EtcdRendezvous:
         ``waiting``: a node arrived, or a peer left to restart: stop the
         workers and call ``next_rendezvous`` (not a failure). ``lost``: a
         member's lease expired (or this node's own): the group has failed.
+        ``fenced``: this node has not renewed its lease for long enough that
+        the others may soon drop it: stop the workers now (a failure too).
         ``closed``: the job is over. Woken by the watch, never by a poll.
         """
         if self._round is None:
             raise RuntimeError("wait_for_membership_change() before next_rendezvous()")
         while True:
             view = self._current()
-            if self._lost_self:
-                change: Change | None = "lost"
+            if self.fenced_since is not None:
+                change: Change | None = "fenced"
+            elif self._lost_self:
+                change = "lost"
             elif view is None:
                 change = None
             else:
@@ -457,7 +509,18 @@ class EtcdRendezvous:
             if change is not None:
                 self._report(change, view)
                 return change
-            await self._mirror.wait_past(self._mirror.revision)
+            await self._news()
+
+    async def _news(self) -> None:
+        """The mirror moved on, or this node fenced itself (the mirror cannot move then)."""
+        async with anyio.create_task_group() as tg:
+
+            async def first(wait: Callable[[], Awaitable[object]]) -> None:
+                await wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(first, partial(self._mirror.wait_past, self._mirror.revision))
+            tg.start_soon(first, self._fenced.wait)
 
     def _report(self, change: Change, view: _View | None) -> None:
         match change:

@@ -418,6 +418,9 @@ class GroupRunner:
             case "lost":
                 self._reason = "a node of the job was lost"
                 self._control("fail")
+            case "fenced":
+                self._reason = "fenced: this node's lease on the rendezvous could not be renewed"
+                self._control("fail")
             case "closed":
                 self._control("stop")
 
