@@ -65,7 +65,8 @@ def main():
     started = time.monotonic()
     result = agent.run()
     server.stop()
-    print(f"{result.state.name} after {time.monotonic() - started:.1f} s: {result.return_values}")
+    values = dict(sorted(result.return_values.items()))
+    print(f"{result.state.name} after {time.monotonic() - started:.1f} s: {values}")
 
 
 if __name__ == "__main__":

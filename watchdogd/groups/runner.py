@@ -505,6 +505,8 @@ class GroupRunner:
 
     async def _start_attempt(self, attempt: int, restart_count: int) -> None:
         await self._bind_numa()  # before rendezvous: a node that cannot start holds nobody up
+        self.workers = {}  # the last attempt's are all gone: none is shown while nodes meet
+        self.attempt_failures = {}
         if self.spares is not None:
             self.spares.fill(self.spec.nproc, self.cpus)  # warming while the nodes meet
         waiting_since = time.monotonic()
@@ -522,8 +524,6 @@ class GroupRunner:
             waited_s=round(time.monotonic() - waiting_since, 3),
             hostname=self.hostname,
         )
-        self.workers = {}
-        self.attempt_failures = {}
         base = dict(os.environ)
         recorder_dir = None
         if self.spec.flight_recorder:
