@@ -27,6 +27,7 @@ Differences from torch's:
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,9 +144,10 @@ class WorkerSpec:
             raise ValueError("entrypoint (or fn): a callable or a program")
 
     def get_entrypoint_name(self) -> str:
+        """As torch names it: a program's base name, a callable's ``__name__``."""
         if isinstance(self.entrypoint, str):
-            return self.entrypoint
-        return getattr(self.entrypoint, "__qualname__", repr(self.entrypoint))
+            return os.path.basename(self.entrypoint)
+        return getattr(self.entrypoint, "__name__", repr(self.entrypoint))
 
 
 @dataclass
@@ -160,10 +162,10 @@ class RunResult:
         return self.state == WorkerState.FAILED
 
 
-def _rendezvous(handler: Any) -> dict[str, Any]:
+def _rendezvous(handler: Any, local_addr: str | None) -> dict[str, Any]:
     """The ``LaunchConfig`` fields of the rendezvous ``handler`` stands for."""
     if handler is None:
-        return {"min_nodes": 1, "max_nodes": 1}
+        return {"min_nodes": 1, "max_nodes": 1, "local_addr": local_addr}
     if isinstance(handler, RendezvousHandler):
         params = handler.params
         return {
@@ -172,7 +174,7 @@ def _rendezvous(handler: Any) -> dict[str, Any]:
             "rdzv_backend": params.backend,
             "rdzv_endpoint": params.endpoint,
             "run_id": params.run_id,
-            "local_addr": params.local_addr,
+            "local_addr": params.local_addr or local_addr,
             "rdzv_configs": dict(params.config),
         }
     # One of torch's handlers: its node count, where it says it (dynamic: settings; static).
@@ -180,7 +182,7 @@ def _rendezvous(handler: Any) -> dict[str, Any]:
     nodes = getattr(settings, "max_nodes", None) or getattr(handler, "world_size", None)
     if nodes == 1:
         run_id = handler.get_run_id() if hasattr(handler, "get_run_id") else ""
-        return {"min_nodes": 1, "max_nodes": 1, "run_id": run_id}
+        return {"min_nodes": 1, "max_nodes": 1, "run_id": run_id, "local_addr": local_addr}
     raise ValueError(
         f"rdzv_handler: torch's {type(handler).__name__} for more than one node cannot be "
         "joined from here; pass watchdogd.agent.get_rendezvous_handler("
@@ -237,7 +239,7 @@ class LocalElasticAgent:
             duplicate_stderr_filters=spec.duplicate_stderr_filters,
             virtual_local_rank=spec.virtual_local_rank,
             shutdown_timeout=self._shutdown_timeout,
-            **{"local_addr": spec.local_addr, **_rendezvous(spec.rdzv_handler)},
+            **_rendezvous(spec.rdzv_handler, spec.local_addr),
         )
         result = run_launch(
             config,

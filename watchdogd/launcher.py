@@ -33,6 +33,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -43,14 +44,14 @@ from datetime import UTC, datetime
 from functools import partial
 from multiprocessing import reduction
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import anyio.to_thread
 import msgspec
 
 from watchdogd.cli.run import add_run_arguments, handled_signals, spec_from_args
-from watchdogd.core.config import Config
+from watchdogd.core.config import Config, ConfigError
 from watchdogd.core.ports import GroupError
 from watchdogd.foreground import run_group
 from watchdogd.groups.starters import CallableStarter
@@ -305,6 +306,24 @@ def _logs_flags(logs_specs: Any) -> list[str]:
     return flags
 
 
+class _Parser(argparse.ArgumentParser):
+    """``watchdogd run``'s parser, for a library call: an error raises, never exits."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+_SWITCHES = frozenset({"--standalone", "--virtual-local-rank"})
+
+
+def _assigned(flags: list[str]) -> list[str]:
+    """``--name value`` pairs as ``--name=value``: a value that starts with ``-`` stays one."""
+    out, items = [], iter(flags)
+    for name in items:
+        out.append(name if name in _SWITCHES else f"{name}={next(items)}")
+    return out
+
+
 def _single_node(config: LaunchConfig) -> bool:
     """One node on a store of its own: nobody to meet, so no rendezvous server to run."""
     host = config.rdzv_endpoint.rpartition(":")[0] or config.rdzv_endpoint
@@ -340,7 +359,7 @@ def _flags(config: LaunchConfig) -> list[str]:
         ("--duplicate-stdout-filters", config.duplicate_stdout_filters),
         ("--duplicate-stderr-filters", config.duplicate_stderr_filters),
     ):
-        if filters:
+        if filters:  # as torchrun takes them: a filter cannot hold a comma
             flags += [name, ",".join(filters)]
     if config.virtual_local_rank:
         flags.append("--virtual-local-rank")
@@ -349,10 +368,14 @@ def _flags(config: LaunchConfig) -> list[str]:
     return flags + _logs_flags(config.logs_specs)
 
 
-def _entrypoint_name(entrypoint: Callable[..., Any] | str) -> str:
-    if isinstance(entrypoint, str):
-        return entrypoint
-    return getattr(entrypoint, "__qualname__", None) or repr(entrypoint)
+def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> str:
+    """As torch's launcher names a job: a callable's ``__name__``; for the Python
+    interpreter, its first argument that is no option (the script); else the program."""
+    if not isinstance(entrypoint, str):
+        return getattr(entrypoint, "__name__", None) or repr(entrypoint)
+    if entrypoint == sys.executable:
+        return next((str(a) for a in args if not str(a).startswith("-")), "")
+    return entrypoint
 
 
 def _check_callable(entrypoint: Callable[..., Any], start_method: str) -> None:
@@ -363,7 +386,7 @@ def _check_callable(entrypoint: Callable[..., Any], start_method: str) -> None:
         reduction.ForkingPickler.dumps(entrypoint)
     except Exception as e:
         raise ValueError(
-            f"entrypoint {_entrypoint_name(entrypoint)!r} cannot be sent to workers started "
+            f"entrypoint {_entrypoint_name(entrypoint, [])!r} cannot be sent to workers started "
             f"with {start_method!r} (it is pickled by reference: define it at the top level "
             f"of an importable module, not as a lambda or a nested function): {e}"
         ) from None
@@ -416,8 +439,8 @@ def run_launch(
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
         log.warning("config has no run_id, generated a random run_id: %s", config.run_id)
-    parser = argparse.ArgumentParser(prog="watchdogd.launcher")
-    add_run_arguments(parser)
+    parser = _Parser(prog="watchdogd.launcher")
+    add_run_arguments(parser, environ={})  # torch's launch API reads no PET_* variable
     flags = _flags(config)
     master_addr, master_port = master
     if master_addr is not None:
@@ -425,14 +448,14 @@ def run_launch(
     if master_port is not None:
         flags += ["--master-port", str(master_port)]
     signals = handled_signals(config.signals_to_handle)
-    spec = spec_from_args(parser.parse_args([*flags, "--no-python", "placeholder"]))
-    name = _entrypoint_name(entrypoint)
+    spec = spec_from_args(parser.parse_args([*_assigned(flags), "--no-python", "placeholder"]))
+    name = _entrypoint_name(entrypoint, args)
     if isinstance(entrypoint, str):
         command = [entrypoint, *map(str, args)]
         spec = msgspec.structs.replace(spec, entrypoint=command, **spec_fields)
         return _launch(config, spec, name, signals, None)
     _check_callable(entrypoint, config.start_method)
-    described = [f"{entrypoint.__module__}:{name}"]
+    described = [f"{entrypoint.__module__}:{getattr(entrypoint, '__qualname__', name)}"]
     spec = msgspec.structs.replace(spec, entrypoint=described, **spec_fields)
     results = Path(tempfile.mkdtemp(prefix="watchdogd-launch-"))
     try:
@@ -453,29 +476,36 @@ def _launch(
     starter: CallableStarter | None,
 ) -> Result:
     daemon_config = Config(event_log_handler=config.event_log_handler)
-    with _signals_forwarded(signals) as forward:
-        outcome = run_group(daemon_config, spec, starter=starter, on_started=forward)
+    try:
+        with _signals_forwarded(signals) as forward:
+            outcome = run_group(daemon_config, spec, starter=starter, on_started=forward)
+    except ConfigError as e:  # an event_log_handler that cannot be had
+        raise ValueError(str(e)) from None
     if outcome.dumps is not None:
         log.warning("stacks of hung workers in %s", outcome.dumps)
     if outcome.error is not None:
         raise LaunchError(outcome.error)
     runner = outcome.runner
     assert runner is not None and outcome.state is not None
-    if outcome.signal is not None:  # torch's agent raises its SignalException
+    succeeded = outcome.state is GroupState.SUCCEEDED
+    if outcome.signal is not None and not succeeded:  # torch's agent raises SignalException
         received = signal.Signals(outcome.signal).name
         state = outcome.state.value
         raise LaunchError(f"{received} received, passed to the workers; group {state}")
-    if outcome.state is not GroupState.SUCCEEDED:
+    if not succeeded:
         failure = runner.last_failure
         reason = failure.reason if failure is not None else None
         return Result(name, outcome.state, {}, list(runner.attempt_failures.values()), reason)
     values: dict[int, Any] = {}
     for worker in runner.workers.values():
-        if starter is not None:
-            path = starter.result_path(worker.attempt, worker.local_rank)
-            values[worker.rank] = pickle.loads(path.read_bytes())
-        else:
+        if starter is None:
             values[worker.rank] = None
+            continue
+        path = starter.result_path(worker.attempt, worker.local_rank)
+        try:
+            values[worker.rank] = pickle.loads(path.read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError) as e:
+            raise LaunchError(f"rank {worker.rank} exited 0 but left no return value: {e}") from e
     return Result(name, outcome.state, values, [], None)
 
 
@@ -486,23 +516,33 @@ def _signals_forwarded(
     """Take ``signals`` in the main thread for the group, as torch's agent does.
 
     The group's loop runs in a thread of its own, where no signal arrives:
-    the main thread's handler passes each one on. From another thread the
-    caller's handlers stay as they are.
+    the main thread's handler passes each one on (one that came before the
+    loop was up waits for it). From another thread the caller's handlers
+    stay as they are.
     """
+    pending: list[int] = []
     target: list[Callable[[int], object]] = []
+
+    def handle(signum: int, _frame: object) -> None:
+        if not target:
+            pending.append(signum)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is stopping: nobody to tell
+            target[0](signum)
 
     def connect(signalled: Callable[[int], object]) -> None:
         target.append(signalled)
+        while pending:
+            signalled(pending.pop(0))
 
     if threading.current_thread() is not threading.main_thread():
         yield connect
         return
-    previous = {}
-    for signum in signals:
-        previous[signum] = signal.signal(signum, lambda s, _: [f(s) for f in target])
+    previous = {signum: signal.signal(signum, handle) for signum in signals}
     try:
         yield connect
     finally:
+        target.clear()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

@@ -20,6 +20,8 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Mapping
+from functools import partial
 
 import msgspec
 
@@ -40,7 +42,13 @@ EXIT_USAGE = 2
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's
 
 
-def _flag(parser: argparse._ActionsContainer, name: str, *short: str, **kwargs: object) -> None:
+def _flag(
+    parser: argparse._ActionsContainer,
+    environ: Mapping[str, str],
+    name: str,
+    *short: str,
+    **kwargs: object,
+) -> None:
     """A torchrun flag: ``--a-b`` and ``--a_b``, defaulting to ``$PET_A_B`` when set.
 
     A switch (``store_true``) is on when ``$PET_A_B`` is set to anything but
@@ -48,7 +56,7 @@ def _flag(parser: argparse._ActionsContainer, name: str, *short: str, **kwargs: 
     """
     dest = name.lstrip("-").replace("-", "_")
     aliases = [*short, name] if "-" not in name[2:] else [*short, name, "--" + dest]
-    from_env = os.environ.get(f"PET_{dest.upper()}")
+    from_env = environ.get(f"PET_{dest.upper()}")
     if kwargs.get("action") == "store_true":
         if from_env is not None:
             kwargs["default"] = from_env not in ("", "0")
@@ -57,23 +65,27 @@ def _flag(parser: argparse._ActionsContainer, name: str, *short: str, **kwargs: 
     parser.add_argument(*aliases, dest=dest, **kwargs)  # type: ignore[arg-type]
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    _flag(parser, "--nproc-per-node", default="1", metavar="N",
+def add_run_arguments(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str] = os.environ
+) -> None:
+    """torchrun's flags (and ours); ``environ``: where the ``PET_*`` defaults come from."""
+    flag = partial(_flag, parser, environ)
+    flag("--nproc-per-node", default="1", metavar="N",
           help="workers on this node: a number, 'gpu', 'cpu' or 'auto'")  # fmt: skip
-    _flag(parser, "--nnodes", default="1", metavar="N[:N]", help="nodes in the job (static: fixed)")
-    _flag(parser, "--node-rank", type=int, default=0, help="this node's rank")
-    _flag(parser, "--master-addr", default="127.0.0.1", help="rank 0's address")
-    _flag(parser, "--master-port", type=int, default=None, help="rank 0's port (default: free)")
-    _flag(parser, "--max-restarts", type=int, default=0, help="restarts before failing")
-    _flag(parser, "--rdzv-backend", default="static", help="static, c10d (torch's), or etcd (v3)")
-    _flag(parser, "--rdzv-endpoint", default="",
+    flag("--nnodes", default="1", metavar="N[:N]", help="nodes in the job (static: fixed)")
+    flag("--node-rank", type=int, default=0, help="this node's rank")
+    flag("--master-addr", default="127.0.0.1", help="rank 0's address")
+    flag("--master-port", type=int, default=None, help="rank 0's port (default: free)")
+    flag("--max-restarts", type=int, default=0, help="restarts before failing")
+    flag("--rdzv-backend", default="static", help="static, c10d (torch's), or etcd (v3)")
+    flag("--rdzv-endpoint", default="",
           help="static: the master; c10d: the store's HOST[:29400]; etcd: HOST:PORT,…")  # fmt: skip
-    _flag(parser, "--rdzv-id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
-    _flag(parser, "--rdzv-conf", default="", help="join_timeout=…,last_call_timeout=…,…")
-    _flag(parser, "--local-addr", default=None, help="c10d, etcd: this node's address for others")
-    _flag(parser, "--standalone", action="store_true", help="single node, free port")
-    _flag(parser, "--role", default="default", help="worker role name")
-    _flag(parser, "--log-dir", default=None, help="per-attempt, per-rank logs go here")
+    flag("--rdzv-id", default="none", help="job id (TORCHELASTIC_RUN_ID)")
+    flag("--rdzv-conf", default="", help="join_timeout=…,last_call_timeout=…,…")
+    flag("--local-addr", default=None, help="c10d, etcd: this node's address for others")
+    flag("--standalone", action="store_true", help="single node, free port")
+    flag("--role", default="default", help="worker role name")
+    flag("--log-dir", default=None, help="per-attempt, per-rank logs go here")
     parser.add_argument(
         "-r",
         "--redirects",
@@ -86,30 +98,30 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("PET_TEE", "0"),
         help="streams to files and to the console with a prefix (same values as -r)",
     )
-    _flag(parser, "--local-ranks-filter", default="", help="ranks whose tee'd output is shown")
-    _flag(parser, "--duplicate-stdout-filters", default="", help="copy stdout lines holding any")
-    _flag(parser, "--duplicate-stderr-filters", default="", help="... and stderr lines")
-    _flag(parser, "--log-line-prefix-template", default=None, help="e.g. '[$rank]:'")
-    _flag(parser, "--virtual-local-rank", action="store_true", help="one GPU per worker")
-    _flag(parser, "--numa-binding", choices=AFFINITY_MODES, default=None,
+    flag("--local-ranks-filter", default="", help="ranks whose tee'd output is shown")
+    flag("--duplicate-stdout-filters", default="", help="copy stdout lines holding any")
+    flag("--duplicate-stderr-filters", default="", help="... and stderr lines")
+    flag("--log-line-prefix-template", default=None, help="e.g. '[$rank]:'")
+    flag("--virtual-local-rank", action="store_true", help="one GPU per worker")
+    flag("--numa-binding", choices=AFFINITY_MODES, default=None,
           help="bind local rank i to CPUs near GPU i (torch's rules, no numactl)")  # fmt: skip
-    _flag(parser, "--shutdown-timeout", type=float, default=None,
+    flag("--shutdown-timeout", type=float, default=None,
           help="SIGTERM to SIGKILL (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)")  # fmt: skip
-    _flag(parser, "--signals-to-handle", default=DEFAULT_SIGNALS,
+    flag("--signals-to-handle", default=DEFAULT_SIGNALS,
           help="passed to the workers, stopping the group (default %(default)s)")  # fmt: skip
-    _flag(parser, "--no-python", action="store_true", help="run SCRIPT as a program")
-    _flag(parser, "--module", "-m", action="store_true", help="run SCRIPT as python -m")
-    _flag(parser, "--run-path", action="store_true", help="run SCRIPT as a path (the default)")
-    _flag(parser, "--monitor-interval", type=float, default=0.1,
+    flag("--no-python", action="store_true", help="run SCRIPT as a program")
+    flag("--module", "-m", action="store_true", help="run SCRIPT as python -m")
+    flag("--run-path", action="store_true", help="run SCRIPT as a path (the default)")
+    flag("--monitor-interval", type=float, default=0.1,
           help="c10d: seconds between checks for waiting nodes (exits: at once)")  # fmt: skip
-    _flag(parser, "--start-method", default="spawn", help="accepted for compatibility")
-    _flag(parser, "--prewarm", default="", metavar="MODULE[,MODULE…]",
+    flag("--start-method", default="spawn", help="accepted for compatibility")
+    flag("--prewarm", default="", metavar="MODULE[,MODULE…]",
           help="keep a warm spare per local rank that has imported these (e.g. torch): "
           "restarts skip the imports")  # fmt: skip
-    _flag(parser, "--logs-specs", default=None, metavar="NAME",
+    flag("--logs-specs", default=None, metavar="NAME",
           help="where workers' logs go: torch's 'default' (watchdogd's own layout), or a "
           "LogsSpecs class named in entry point group torchrun.logs_specs")  # fmt: skip
-    _flag(parser, "--event-log-handler", default="null", metavar="NAME",
+    flag("--event-log-handler", default="null", metavar="NAME",
           help="record events to this handler: null, console, dynamic_rendezvous, or an "
           "entry point in group watchdogd.event_handlers")  # fmt: skip
     parser.add_argument("--event-log", metavar="FILE", help="append events as JSON lines to FILE")

@@ -52,6 +52,7 @@ class WorkerCall:
         stdout: InheritedFd | None,
         stderr: InheritedFd | None,
         result_path: str,
+        cpus: frozenset[int] | None,
     ) -> None:
         self.function = function
         self.args = tuple(args)
@@ -59,6 +60,7 @@ class WorkerCall:
         self.stdout = stdout
         self.stderr = stderr
         self.result_path = result_path
+        self.cpus = cpus
 
 
 def _record(error_file: str, message: str, stack: str) -> None:
@@ -72,8 +74,10 @@ def _record(error_file: str, message: str, stack: str) -> None:
         }
     }
     try:
-        with open(error_file, "w") as f:
+        partial = f"{error_file}.partial"  # whole or absent: torch's reader raises on half
+        with open(partial, "w") as f:
             json.dump(data, f)
+        os.rename(partial, error_file)
     except OSError as e:
         print(f"watchdogd: cannot write the error file {error_file}: {e}", file=sys.stderr)
 
@@ -81,6 +85,8 @@ def _record(error_file: str, message: str, stack: str) -> None:
 def run(call: WorkerCall) -> None:
     """The ``multiprocessing`` target: become the worker, run the callable, report."""
     os.setsid()
+    if call.cpus is not None:
+        os.sched_setaffinity(0, call.cpus)
     for stream, target in ((sys.stdout, call.stdout), (sys.stderr, call.stderr)):
         if target is not None:
             stream.flush()
@@ -94,7 +100,11 @@ def run(call: WorkerCall) -> None:
     error_file = call.env.get("TORCHELASTIC_ERROR_FILE", "")
     try:
         result = call.function(*call.args)
-    except BaseException as e:
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise  # an exit status of its own, as torch's @record leaves it
+        result = None  # sys.exit() from the function: it returned, with nothing
+    except Exception as e:
         _record(error_file, f"{type(e).__name__}: {e}", traceback.format_exc())
         raise
     rank = call.env.get("LOCAL_RANK", "?")

@@ -287,8 +287,7 @@ class EtcdRendezvous:
     async def _register(self, deadline: float = math.inf) -> None:
         """Put this node's key on a fresh lease (at start, and after the lease was lost)."""
         async with self._register_lock:
-            sent = time.monotonic()
-            lease = await self._store.grant(self.lease_ttl, deadline=deadline)
+            lease, sent = await self._store.grant(self.lease_ttl, deadline=deadline)
             record = NodeRecord(
                 name=self.node_name,
                 hostname=self._hostname,
@@ -312,9 +311,10 @@ class EtcdRendezvous:
 
     async def _keep_alive(self) -> None:
         while True:
-            await anyio.sleep(self.lease_ttl / 3)
-            sent = time.monotonic()
-            if await self._store.refresh(self._lease) > 0:
+            # A third of the TTL after the last renewal, not after a slow call's end.
+            await anyio.sleep(max(0.0, self._renewed_at + self.lease_ttl / 3 - time.monotonic()))
+            ttl, sent = await self._store.refresh(self._lease)
+            if ttl > 0:
                 self._renewed(sent)
             else:
                 # etcd let the lease expire (we were cut off): the others dropped us.

@@ -268,18 +268,26 @@ class EtcdStore:
         key = self.key(name)
         await self.call(lambda c: c.put(key, value, lease=lease), deadline=deadline, what=name)
 
-    async def grant(self, ttl: int, *, deadline: float = math.inf) -> int:
-        lease = await self.call(lambda c: c.lease(ttl), deadline=deadline, what="lease")
-        return int(lease.id)
+    async def grant(self, ttl: int, *, deadline: float = math.inf) -> tuple[int, float]:
+        """A new lease, and when the attempt that got it was sent (monotonic): its TTL
+        runs on etcd from some moment after that."""
 
-    async def refresh(self, lease: int) -> int:
-        """Keep ``lease`` alive; its remaining TTL, 0 when etcd no longer knows it."""
+        async def lease(client: Any) -> tuple[int, float]:
+            sent = time.monotonic()
+            return int((await client.lease(ttl)).id), sent
 
-        async def keep_alive(client: Any) -> int:
+        return await self.call(lease, deadline=deadline, what="lease")
+
+    async def refresh(self, lease: int) -> tuple[int, float]:
+        """Keep ``lease`` alive: its remaining TTL (0 when etcd no longer knows it), and
+        when the attempt that renewed it was sent (monotonic)."""
+
+        async def keep_alive(client: Any) -> tuple[int, float]:
+            sent = time.monotonic()
             reply = await client.refresh_lease(lease)
             if reply is None:
                 raise ConnectionFailedError("keep-alive stream closed without a reply")
-            return int(reply.TTL)
+            return int(reply.TTL), sent
 
         return await self.call(keep_alive, what="lease keep-alive")
 

@@ -63,6 +63,7 @@ from watchdogd.groups.starters import CommandStarter, WorkerProcess, WorkerStart
 from watchdogd.groups.worker_logs import StreamCopier, Target, open_target, start_copier
 from watchdogd.linux import aio
 from watchdogd.linux.procs import read_stat
+from watchdogd_client._proc import pidfd_exited
 from watchdogd_client.events import RdzvEvent
 from watchdogd_client.groups import Failure, GroupInfo, GroupSpec, GroupState, WorkerInfo
 
@@ -553,7 +554,9 @@ class GroupRunner:
             for local_rank, env in envs.items():
                 rank = placement.rank(local_rank, self.spec.nproc)
                 opened = targets.pop(local_rank)
-                worker = self._spawn(local_rank, rank, attempt, env, routes[local_rank], opened)
+                worker = await self._spawn(
+                    local_rank, rank, attempt, env, routes[local_rank], opened
+                )
                 worker.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None
                 self.workers[local_rank] = worker
                 self.index.add(worker.pid, self.spec.name, self._recorder(env, worker))
@@ -614,7 +617,7 @@ class GroupRunner:
             ) from None
         return opened
 
-    def _spawn(
+    async def _spawn(
         self,
         local_rank: int,
         rank: int,
@@ -625,11 +628,14 @@ class GroupRunner:
     ) -> _Worker:
         """Start one worker on its opened streams, which are closed or handed on either way."""
         cpus = self.cpus.get(local_rank) if self.cpus is not None else None
+        start = partial(self.starter.start, local_rank, attempt, env, targets, cpus)
         try:
-            started = self.starter.start(local_rank, attempt, env, targets, cpus)
-        except (OSError, GroupError) as e:
+            started = await anyio.to_thread.run_sync(start) if self.starter.off_loop else start()
+        except BaseException as e:
             for target in targets:
                 target.close()
+            if not isinstance(e, OSError | GroupError):
+                raise
             why = e.strerror if isinstance(e, OSError) else e
             raise GroupError(
                 f"group {self.spec.name}: cannot start {self.spec.entrypoint[0]!r}: {why}"
@@ -643,15 +649,15 @@ class GroupRunner:
         return _Worker(local_rank, rank, attempt, started.process)
 
     def _signal(self, worker: _Worker, signum: int) -> None:
-        if worker.exitcode is not None:
-            return
-        # The worker is not reaped yet, so its pid still names it, and its process
-        # group once it leads one (a callable's worker makes its own as it starts).
+        if worker.exitcode is not None or pidfd_exited(worker.pidfd):
+            return  # gone (its pidfd says so first): its exit is being handled
+        # Alive, so its pid names its process group once it leads one; a callable's
+        # worker makes its own as it starts: before that, only the pidfd reaches it.
         try:
             os.killpg(worker.pid, signum)
         except ProcessLookupError:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.pid, signum)
+                signal.pidfd_send_signal(worker.pidfd, signum)
 
     def _on_pidfd(self, worker: _Worker) -> None:
         # Still a zombie: its process group id cannot be reused yet.

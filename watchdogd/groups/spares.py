@@ -35,8 +35,8 @@ import msgspec
 from watchdogd.core.ports import EventSink
 from watchdogd.core.workerenv import PythonCommand
 from watchdogd.groups.spare import Assignment, Failed, Ready, Report
-from watchdogd.groups.starters import Started, WorkerStarter
-from watchdogd.groups.worker_logs import Target
+from watchdogd.groups.starters import Started, WorkerStarter, substitute_local_rank
+from watchdogd.groups.worker_logs import Target, child_stream
 from watchdogd.linux import aio
 from watchdogd.linux.numa import bound_to
 from watchdogd.linux.procs import read_rss
@@ -76,6 +76,8 @@ class _Spare:
 class SparePool:
     """The group's spares; a :class:`WorkerStarter` that falls back to ``cold`` without one."""
 
+    off_loop = False  # a handover is one non-blocking send; a cold start is a Popen
+
     def __init__(
         self,
         group: str,
@@ -114,6 +116,7 @@ class SparePool:
                 continue
             if self._not_before.get(local_rank, 0.0) > now:
                 continue
+            self._not_before.pop(local_rank, None)
             try:
                 self.spares[local_rank] = self._start_spare(local_rank)
             except OSError as e:
@@ -133,8 +136,10 @@ class SparePool:
                 self.fill(self.nproc, self.cpus)
 
     def _next_retry(self) -> float:
-        pending = [t - time.monotonic() for t in self._not_before.values()]
-        return max(0.0, min(pending)) if pending else float("inf")
+        """Seconds until a paused rank may get a spare again (inf: none is paused)."""
+        now = time.monotonic()
+        pending = [t - now for t in self._not_before.values() if t > now]
+        return min(pending) if pending else float("inf")
 
     def _pause(self, local_rank: int) -> None:
         backoff = min(self._backoff.get(local_rank, 0.5) * 2, _MAX_BACKOFF)
@@ -170,8 +175,7 @@ class SparePool:
         finally:
             theirs.close()
         if self._root:
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, popen.pid, _LOWEST_PRIORITY)
+            _renice(popen.pid, _LOWEST_PRIORITY)
         ours.setblocking(False)
         spare = _Spare(local_rank, popen, ours)
         aio.watch_readable(spare.control.fileno(), lambda: self._on_report(spare))
@@ -199,6 +203,11 @@ class SparePool:
                 spare.failure = report.message
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(spare.popen.pid, signal.SIGKILL)  # its exit is reported
+
+    @staticmethod
+    def _reap(spare: _Spare) -> None:
+        spare.popen.wait()
+        spare.close()
 
     def _on_exit(self, spare: _Spare) -> None:
         if self.spares.get(spare.local_rank) is not spare:
@@ -231,34 +240,37 @@ class SparePool:
                 spare.close()
             return self.cold.start(local_rank, attempt, env, streams, cpus)
         spare.unwatch()
-        ends = [_stream_ends(target, fd) for target, fd in zip(streams, (1, 2), strict=True)]
-        assignment = Assignment(
-            env=env,
-            argv=[self.command.target, *self.command.args],
-            mode=self.command.mode,
-            target=self.command.target,
-        )
+        ends: list[tuple[int | None, int | None]] = []
         try:
-            spare.control.settimeout(_SEND_TIMEOUT)
+            for target, console in zip(streams, (1, 2), strict=True):
+                ends.append(child_stream(target, console))
+            assignment = Assignment(
+                env=env,
+                argv=[self.command.target, *substitute_local_rank(self.command.args, local_rank)],
+                mode=self.command.mode,
+                target=self.command.target,
+            )
             data = frame(msgspec.msgpack.encode(assignment))
-            sent = socket.send_fds(spare.control, [data], [theirs for _, theirs in ends])
-            if sent < len(data):  # once it has all, it closes its end: nothing more to send
-                spare.control.sendall(data[sent:])
+            # Never waits: a socket buffer holds far more than an assignment, so one
+            # that does not fit at once means a spare gone wrong.
+            fds = [theirs for _, theirs in ends if theirs is not None]  # both: a console is given
+            if socket.send_fds(spare.control, [data], fds) < len(data):
+                raise BlockingIOError("the spare takes no more")
         except OSError:
-            # It died on the way: a fresh worker instead, and its exit reaped.
+            # It died on the way, or stopped reading: let it go, start a fresh worker.
             for ours, _ in ends:
                 if ours is not None:
                     os.close(ours)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                spare.popen.wait(timeout=1)
-            spare.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(spare.popen.pid, signal.SIGKILL)
+            aio.watch_readable(spare.pidfd, lambda: self._reap(spare))
             return self.cold.start(local_rank, attempt, env, streams, cpus)
         finally:
             for _, theirs in ends:
-                os.close(theirs)
+                if theirs is not None:
+                    os.close(theirs)
         if self._root:
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, spare.popen.pid, os.getpriority(os.PRIO_PROCESS, 0))
+            _renice(spare.popen.pid, os.getpriority(os.PRIO_PROCESS, 0))
         os.close(spare.pidfd)
         spare.control.close()
         return Started(spare.popen, ends[0][0], ends[1][0])
@@ -293,13 +305,9 @@ class SparePool:
             spare.close()
 
 
-def _stream_ends(target: Target, console: int) -> tuple[int | None, int]:
-    """(the daemon's read end, the worker's descriptor) for one stream of a spare."""
-    if target.popen is subprocess.PIPE:
-        return os.pipe()
-    if target.popen is subprocess.DEVNULL:
-        return None, os.open(os.devnull, os.O_WRONLY)
-    if target.popen is None:
-        return None, os.dup(console)  # the daemon's own console, inherited as a fresh worker's
-    assert not isinstance(target.popen, int)
-    return None, os.dup(target.popen.fileno())
+def _renice(pid: int, priority: int) -> None:
+    """Every thread of ``pid`` (a nice value is a thread's), as far as it is still there."""
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(task), priority)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 from watchdogd.core.ports import GroupError
 from watchdogd.groups.callable_worker import InheritedFd, WorkerCall, run
-from watchdogd.groups.worker_logs import Target
+from watchdogd.groups.worker_logs import Target, child_stream
 from watchdogd.linux.numa import bound_to
 from watchdogd_client.groups import GroupSpec
 
@@ -56,6 +55,9 @@ class Started(NamedTuple):
 
 
 class WorkerStarter(Protocol):
+    off_loop: bool
+    """:meth:`start` blocks: call it from a thread (else it is quick, and on the loop)."""
+
     def start(
         self,
         local_rank: int,
@@ -87,6 +89,8 @@ def _take(pipe: Any) -> int | None:
 
 class CommandStarter:
     """Each worker is the spec's ``entrypoint`` command, in a session of its own."""
+
+    off_loop = False  # fork and exec: a millisecond or two
 
     def __init__(self, spec: GroupSpec) -> None:
         self.spec = spec
@@ -130,8 +134,12 @@ class _Process:
 class CallableStarter:
     """Each worker runs ``function(*args)`` in a process ``multiprocessing`` starts here.
 
-    ``fork`` is refused: the runner's loop thread is alive in this process, and
-    forking a process with threads may leave the child holding a lock forever.
+    Starting one blocks (``spawn`` writes the pickled call into the child, the
+    forkserver answers with its pid), so the runner calls :meth:`start` from a
+    thread (``off_loop``). The worker binds itself to its CPUs: a forkserver's
+    children inherit the server's affinity, not the caller's. ``fork`` is
+    refused: the runner's loop thread is alive in this process, and forking a
+    process with threads may leave the child holding a lock forever.
     """
 
     def __init__(
@@ -154,6 +162,8 @@ class CallableStarter:
         self.context: Any = multiprocessing.get_context(start_method)
         self.result_dir = result_dir
 
+    off_loop = True
+
     def result_path(self, attempt: int, local_rank: int) -> Path:
         return self.result_dir / f"attempt_{attempt}-{local_rank}.pickle"
 
@@ -168,7 +178,8 @@ class CallableStarter:
         ends: list[tuple[int | None, InheritedFd | None]] = []
         try:
             for target in streams:
-                ends.append(_child_stream(target))
+                read_end, child_fd = child_stream(target, None)  # a console: inherited
+                ends.append((read_end, InheritedFd(child_fd) if child_fd is not None else None))
             call = WorkerCall(
                 self.function,
                 substitute_local_rank(self.args, local_rank),
@@ -176,15 +187,17 @@ class CallableStarter:
                 ends[0][1],
                 ends[1][1],
                 str(self.result_path(attempt, local_rank)),
+                cpus,
             )
             process = self.context.Process(
                 target=run, args=(call,), name=f"local rank {local_rank}"
             )
-            with bound_to(cpus):
-                try:
-                    process.start()  # spawn and forkserver pickle the call here
-                except (pickle.PicklingError, AttributeError, TypeError) as e:
-                    raise GroupError(f"the call cannot be sent to the worker: {e}") from None
+            try:
+                process.start()  # spawn and forkserver pickle the call here
+            except OSError:
+                raise
+            except Exception as e:  # an argument that cannot go (a queue of another context…)
+                raise GroupError(f"the call cannot be sent to the worker: {e}") from None
         except BaseException:
             for ours, _ in ends:
                 if ours is not None:
@@ -195,16 +208,3 @@ class CallableStarter:
                 if theirs is not None:
                     os.close(theirs.fd)
         return Started(_Process(process), ends[0][0], ends[1][0])
-
-
-def _child_stream(target: Target) -> tuple[int | None, InheritedFd | None]:
-    """(the runner's read end, the child's descriptor) for one stream."""
-    if target.popen is subprocess.PIPE:
-        read, write = os.pipe()
-        return read, InheritedFd(write)
-    if target.popen is subprocess.DEVNULL:
-        return None, InheritedFd(os.open(os.devnull, os.O_WRONLY))
-    if target.popen is None:
-        return None, None  # the console, inherited
-    assert not isinstance(target.popen, int)
-    return None, InheritedFd(os.dup(target.popen.fileno()))

@@ -58,6 +58,7 @@ __all__ = [
     "ConsoleWriter",
     "StreamCopier",
     "Target",
+    "child_stream",
     "console",
     "open_log",
     "open_target",
@@ -115,6 +116,19 @@ def open_target(route: StreamRoute) -> Target:
             file.close()
         raise
     return Target(subprocess.PIPE, file, filtered)
+
+
+def child_stream(target: Target, console: int | None) -> tuple[int | None, int | None]:
+    """(the daemon's read end, the worker's descriptor) of one stream of a worker started
+    without ``Popen``; ``console``: the descriptor a console stream gets (None: inherit)."""
+    if target.popen is subprocess.PIPE:
+        return os.pipe()
+    if target.popen is subprocess.DEVNULL:
+        return None, os.open(os.devnull, os.O_WRONLY)
+    if target.popen is None:
+        return None, None if console is None else os.dup(console)
+    assert not isinstance(target.popen, int)
+    return None, os.dup(target.popen.fileno())
 
 
 class ConsoleWriter:
