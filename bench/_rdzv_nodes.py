@@ -22,7 +22,8 @@ The control pipe carries commands from the bench (``("join", at)``,
 each a tuple ``(kind, node, monotonic time, *details)``: ``ready``, ``called``
 (``next_rendezvous`` entered), ``joined`` (ours: the join was written),
 ``round`` (round, rank, world size), ``change`` (why the round ended),
-``error``, ``counts`` (torch: store calls so far), ``fatal``, ``stopped``.
+``error``, ``event`` (ours: its own lease expired, etcd unreachable),
+``counts`` (torch: store calls so far), ``fatal``, ``stopped``.
 Times are ``time.monotonic()``, one clock for every process on the machine.
 """
 
@@ -45,6 +46,9 @@ Report = tuple[Any, ...]
 __all__ = ["NodeSettings", "node_process", "store_host"]
 
 _FLUSH_INTERVAL = 0.02
+# Our participants' events that say the store was overloaded: a lease that
+# expired under a live node, calls past their timeout.
+_TROUBLE = ("node_lost", "etcd_unavailable")
 
 
 @dataclass(frozen=True)
@@ -89,9 +93,9 @@ def node_process(
             aio.run(partial(_ours_main, conn, settings, first, count, deferred))
         else:
             _torch_main(conn, settings, first, count, deferred)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
-            conn.send([("fatal", None, time.monotonic(), traceback.format_exc())])
+            conn.send([("fatal", None, time.monotonic(), _describe(e))])
     # Blocked handler threads (torch) never return: leave without joining them.
     os._exit(0)
 
@@ -191,19 +195,42 @@ async def _ours_node(
     registered: Any,
     deferred: bool,
 ) -> None:
-    import anyio
 
     from watchdogd.groups.etcd_rendezvous import EtcdRendezvous, RendezvousError
 
     def on_event(event: Any) -> None:
         if event.name == "join":
             outbox.put(("joined", index, time.monotonic()))
+        elif event.name in _TROUBLE:
+            outbox.put(("event", index, time.monotonic(), event.name, event.message))
 
     rdzv = EtcdRendezvous(
         [settings.endpoint], settings.run_id, settings.min_nodes, settings.max_nodes,
         node_name=f"n{index}", advertise_addr="127.0.0.1", lease_ttl=settings.lease_ttl,
         last_call=settings.last_call, join_timeout=settings.join_timeout, on_event=on_event,
     )  # fmt: skip
+    try:
+        await _ours_rounds(rdzv, index, limiter, start, start_at, outbox, registered, deferred)
+    except RendezvousError as e:
+        outbox.put(("error", index, time.monotonic(), f"{type(e).__name__}: {e}"))
+    except Exception as e:
+        # One machine's failure, not its process's: the other participants go on,
+        # and the bench learns what happened to this one.
+        outbox.put(("error", index, time.monotonic(), _describe(e)))
+
+
+async def _ours_rounds(
+    rdzv: Any,
+    index: int,
+    limiter: Any,
+    start: Any,
+    start_at: list[float],
+    outbox: _Outbox,
+    registered: Any,
+    deferred: bool,
+) -> None:
+    import anyio
+
     async with AsyncExitStack() as stack:
         if not deferred:
             async with limiter:
@@ -216,11 +243,7 @@ async def _ours_node(
         port = 20000 + index % 40000  # published, never listened on: no workers here
         while True:
             outbox.put(("called", index, time.monotonic()))
-            try:
-                result = await rdzv.next_rendezvous(master_port=port)
-            except RendezvousError as e:
-                outbox.put(("error", index, time.monotonic(), f"{type(e).__name__}: {e}"))
-                return
+            result = await rdzv.next_rendezvous(master_port=port)
             outbox.put(
                 ("round", index, time.monotonic(), result.round, result.group_rank,
                  result.group_world_size)
@@ -229,6 +252,30 @@ async def _ours_node(
             outbox.put(("change", index, time.monotonic(), change))
             if change == "closed":
                 return
+
+
+def _describe(error: BaseException) -> str:
+    """An exception (a group: each distinct leaf, counted) and where the first one came from."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for inner in e.exceptions:
+                walk(inner)
+        else:
+            leaves.append(e)
+
+    walk(error)
+    kinds = Counter(f"{type(e).__module__}.{type(e).__name__}: {e}" for e in leaves)
+    summary = "; ".join(f"{count} x {kind}" for kind, count in kinds.most_common())
+    where = "".join(traceback.format_exception(leaves[0])[-6:]) if leaves else ""
+    # What the first one interrupted (a failed clean-up hides the failure it was for).
+    causes, cause = [], leaves[0].__context__ if leaves else None
+    while cause is not None and len(causes) < 4:
+        causes.append(f"{type(cause).__name__}: {cause}")
+        cause = cause.__context__
+    during = f"\nwhile handling: {' <- '.join(causes)}" if causes else ""
+    return f"{summary}{during}\n{where}"
 
 
 # -- torch ---------------------------------------------------------------------

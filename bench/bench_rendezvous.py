@@ -27,7 +27,7 @@ nodes complete ≤ 3 s after the last join; survivors re-formed ≤ lease TTL
 complete. Usage::
 
     python bench/bench_rendezvous.py [--nodes 64,256,1024] [--quick] [--backends ours,torch]
-        [--procs 4] [--lease-ttl 2] [--last-call 1] [--timeout 60] [--steady 15]
+        [--procs 4] [--lease-ttl 2] [--last-call 1] [--timeout 90] [--steady 15]
         [--json FILE]
 """
 
@@ -140,19 +140,21 @@ class Traffic:
 
 
 def traffic(before: Sample, after: Sample, nodes: int, per_s: bool = False) -> Traffic:
-    """The difference of two samples, over the sources present in both, divided by ``nodes``."""
+    """The difference of two samples, divided by ``nodes``."""
     seconds = after.t - before.t
     scale = nodes * (seconds if per_s else 1.0)
 
+    # Over the sources still there at the end: a node process started during
+    # the phase counts from zero, the killed one's last counts are lost with it.
     def delta(a: dict[str, Counter[str]], b: dict[str, Counter[str]]) -> dict[str, float]:
         total: Counter[str] = Counter()
-        for source in a.keys() & b.keys():
-            total.update(b[source])
-            total.subtract(a[source])
+        for source, counts in b.items():
+            total.update(counts)
+            total.subtract(a.get(source, Counter()))
         return {op: value / scale for op, value in sorted(total.items()) if value}
 
     requests = delta(before.requests, after.requests)
-    moved = sum(after.bytes.get(s, 0) - before.bytes[s] for s in before.bytes if s in after.bytes)
+    moved = sum(value - before.bytes.get(s, 0.0) for s, value in after.bytes.items())
     return Traffic(
         requests=requests,
         total=sum(requests.values()),
@@ -160,8 +162,7 @@ def traffic(before: Sample, after: Sample, nodes: int, per_s: bool = False) -> T
         sent=delta(before.sent, after.sent),
         store_cpu_s=after.store_cpu_s - before.store_cpu_s,
         client_cpu_s=sum(
-            after.client_cpu_s[w] - before.client_cpu_s[w]
-            for w in before.client_cpu_s.keys() & after.client_cpu_s.keys()
+            v - before.client_cpu_s.get(w, 0.0) for w, v in after.client_cpu_s.items()
         ),
         seconds=seconds,
     )
@@ -355,6 +356,7 @@ class Cluster:
         self.workers: list[_Worker] = []
         self._child_conns: list[Any] = []
         self.newcomer_joined = False
+        self.started = False
         for first, count, deferred in groups:
             conn, child = CTX.Pipe()
             process = CTX.Process(
@@ -375,7 +377,15 @@ class Cluster:
             threading.Thread(
                 target=self._read, args=(index, worker.conn), name="reader", daemon=True
             ).start()
-        self.wait(lambda: self._count("ready") == len(self.workers), timeout, "registration")
+        self.started = True
+
+        def ready() -> bool:
+            failed = next((r for r in self.reports if r[0] == "error"), None)
+            if failed is not None:
+                raise NodeFailedError(f"node {failed[1]} failed to register: {failed[3]}")
+            return self._count("ready") == len(self.workers)
+
+        self.wait(ready, timeout, "registration")
         return time.monotonic() - started
 
     def _read(self, index: int, conn: Any) -> None:
@@ -469,6 +479,8 @@ class Cluster:
     def counts(self) -> dict[str, dict[str, dict[str, int]]]:
         """torch's store calls so far, by node process (live ones)."""
         asked = time.monotonic()
+        if not self.started:
+            return {}
         live = [i for i in self.running() if i != self.newcomer or self.newcomer_joined]
         self.send(live, ("counts",))
 
@@ -565,8 +577,6 @@ def run_one(backend: str, nodes: int, args: argparse.Namespace, work: Path) -> R
             monitor_interval=args.monitor_interval, torch_shared_store=args.torch_shared_store,
         )  # fmt: skip
         cluster = Cluster(settings, nodes, args.procs)
-        phase = "registration"
-        result.register_s = cluster.start(args.timeout + nodes * 0.1)
         everyone = [i for i in range(len(cluster.workers)) if i != cluster.newcomer]
 
         def sample() -> Sample:
@@ -600,9 +610,13 @@ def run_one(backend: str, nodes: int, args: argparse.Namespace, work: Path) -> R
                     if backend == "ours":
                         result.state_writes[name] = state_version() - version
                 result.changes[name] = dict(Counter(
-                    str(r[3]) if r[0] == "change" else r[0] for r in cluster.reports
-                    if r[0] in ("change", "round", "error") and r[2] >= before.t
+                    str(r[3]) if r[0] in ("change", "event") else r[0] for r in cluster.reports
+                    if r[0] in ("change", "round", "error", "event") and r[2] >= before.t
                 ))  # fmt: skip
+
+        # 0. registration: every node process starts, each participant registers
+        with measured("registration", nodes):
+            result.register_s = cluster.start(args.timeout + nodes * 0.1)
 
         # 1. formation: every node at once
         members = set(range(nodes))
@@ -686,7 +700,10 @@ def report(results: list[Result], args: argparse.Namespace, header: str) -> None
     width = max(12, *(len(c) + 2 for c in columns + statuses))
 
     def row(label: str, cells: Iterable[str]) -> None:
-        print(f"{label:<34}" + "".join(f"{c:>{width}}" for c in cells))
+        shown = list(cells)
+        if label and all(c == "-" for c in shown):
+            return  # a phase no run reached
+        print(f"{label:<40}" + "".join(f"{c:>{width}}" for c in shown))
 
     print(header)
     row("", columns)
@@ -714,8 +731,9 @@ def report(results: list[Result], args: argparse.Namespace, header: str) -> None
     print("per phase (a failed one up to its timeout): store calls per node (ours: etcd gRPC")
     print("messages received; torch: calls on its TCPStore), watch responses pushed per node,")
     print("KiB in and out per node; for the whole job: state-document writes, the store's CPU,")
-    print("reports from the nodes (rounds returned, rounds ended by reason), client CPU:")
-    phases = ("formation", "node loss", "scale-up")
+    print("reports from the nodes (rounds returned, rounds ended by reason, errors; ours: its")
+    print("own lease expired under a live node (node_lost), calls timed out), client CPU:")
+    phases = ("registration", "formation", "node loss", "scale-up")
     ops = sorted({op for r in results for t in r.phases.values() for op in t.requests})
     row("", columns)
     for phase in phases:
@@ -740,7 +758,7 @@ def report(results: list[Result], args: argparse.Namespace, header: str) -> None
             _cell(r.phases[phase].store_cpu_s, "s", 1) if phase in r.phases else "-"
             for r in results
         ))  # fmt: skip
-        for kind in ("round", "lost", "waiting", "error"):
+        for kind in ("round", "lost", "waiting", "error", "node_lost", "etcd_unavailable"):
             row(f"{phase}: '{kind}' reports", (
                 str(r.changes[phase].get(kind, 0)) if phase in r.changes else "-"
                 for r in results
@@ -768,13 +786,15 @@ def goals(results: list[Result], args: argparse.Namespace) -> None:
     else:
         took = big.formation and big.formation.max
         verdict = took is not None and took <= 3.0
+        shown = _cell(took) if took is not None else f"stopped at {big.stopped_at}"
         print(f"  1,024 nodes complete <= 3 s after the last join: "
-              f"{'met' if verdict else 'NOT met'} ({_cell(took)})")  # fmt: skip
+              f"{'met' if verdict else 'NOT met'} ({shown})")  # fmt: skip
     limit = args.lease_ttl + 2
     for n, r in sorted(ours.items()):
         verdict = r.loss is not None and r.loss.max <= limit
+        shown = _cell(r.loss.max) if r.loss is not None else f"stopped at {r.stopped_at}"
         print(f"  {n} nodes: survivors re-formed <= TTL + 2 s = {limit} s: "
-              f"{'met' if verdict else 'NOT met'} ({_cell(r.loss and r.loss.max)})")  # fmt: skip
+              f"{'met' if verdict else 'NOT met'} ({shown})")  # fmt: skip
     loads = {n: r.steady.total for n, r in ours.items() if r.steady is not None}
     if len(loads) >= 2:
         spread = max(loads.values()) / min(loads.values())
@@ -869,7 +889,7 @@ def main() -> int:
         "--torch-shared-store", action="store_true",
         help="torch's default TCPStore sharing (a newcomer then blocks; see _rdzv_nodes.py)",
     )  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=60, help="seconds per phase")
+    parser.add_argument("--timeout", type=float, default=90, help="seconds per phase")
     parser.add_argument("--steady", type=float, default=15, help="steady-state window, s")
     parser.add_argument("--etcd", help="the etcd binary (default: the one the tests use)")
     parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
