@@ -22,7 +22,8 @@ The control pipe carries commands from the bench (``("join", at)``,
 each a tuple ``(kind, node, monotonic time, *details)``: ``ready``, ``called``
 (``next_rendezvous`` entered), ``joined`` (ours: the join was written),
 ``round`` (round, rank, world size), ``change`` (why the round ended),
-``error``, ``event`` (ours: its own lease expired, etcd unreachable),
+``error``, ``event`` (ours: its own lease expired, it fenced itself, etcd
+unreachable),
 ``counts`` (torch: store calls so far), ``fatal``, ``stopped``.
 Times are ``time.monotonic()``, one clock for every process on the machine.
 """
@@ -47,7 +48,8 @@ __all__ = ["NodeSettings", "node_process", "store_host"]
 
 _FLUSH_INTERVAL = 0.02
 # How our participant says its own lease expired under it (it was starved or
-# cut off): the bench counts those, and calls that found etcd unreachable.
+# cut off): the bench counts those, self-fencing (no renewal for TTL - margin)
+# and calls that found etcd unreachable.
 _OWN_LEASE_EXPIRED = "lease expired while cut off from etcd; re-registering"
 
 
@@ -201,12 +203,11 @@ async def _ours_node(
     def on_event(event: Any) -> None:
         if event.name == "join":
             outbox.put(("joined", index, time.monotonic()))
-        elif event.name == "etcd_unavailable" or (
+        elif event.name in ("etcd_unavailable", "fenced"):
+            outbox.put(("event", index, time.monotonic(), event.name, event.message))
+        elif event.name == "node_lost" and event.message.endswith(_OWN_LEASE_EXPIRED):
             # node_lost also reports a lost peer; this one is the node's own lease
-            event.name == "node_lost" and event.message.endswith(_OWN_LEASE_EXPIRED)
-        ):
-            kind = "etcd_unavailable" if event.name == "etcd_unavailable" else "own_lease_expired"
-            outbox.put(("event", index, time.monotonic(), kind, event.message))
+            outbox.put(("event", index, time.monotonic(), "own_lease_expired", event.message))
 
     rdzv = EtcdRendezvous(
         [settings.endpoint], settings.run_id, settings.min_nodes, settings.max_nodes,

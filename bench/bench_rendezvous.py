@@ -732,7 +732,7 @@ def report(results: list[Result], args: argparse.Namespace, header: str) -> None
     print("messages received; torch: calls on its TCPStore), watch responses pushed per node,")
     print("KiB in and out per node; for the whole job: state-document writes, the store's CPU,")
     print("reports from the nodes (rounds returned, rounds ended by reason, errors; ours: its")
-    print("own lease expired under a live node, calls timed out), client CPU:")
+    print("own lease expired under a live node, it fenced itself, calls timed out), client CPU:")
     phases = ("registration", "formation", "node loss", "scale-up")
     ops = sorted({op for r in results for t in r.phases.values() for op in t.requests})
     row("", columns)
@@ -758,7 +758,8 @@ def report(results: list[Result], args: argparse.Namespace, header: str) -> None
             _cell(r.phases[phase].store_cpu_s, "s", 1) if phase in r.phases else "-"
             for r in results
         ))  # fmt: skip
-        for kind in ("round", "lost", "waiting", "error", "own_lease_expired", "etcd_unavailable"):
+        kinds = ("round", "lost", "waiting", "error", "own_lease_expired", "fenced")
+        for kind in (*kinds, "etcd_unavailable"):
             row(f"{phase}: '{kind}' reports", (
                 str(r.changes[phase].get(kind, 0)) if phase in r.changes else "-"
                 for r in results
