@@ -84,7 +84,13 @@ from watchdogd.core.rdzv_state import (
     where,
 )
 from watchdogd.core.workerenv import Placement
-from watchdogd.groups.etcd_store import EtcdStore, KeyValue, Mirror, parse_endpoints
+from watchdogd.groups.etcd_store import (
+    EtcdStore,
+    KeyValue,
+    Mirror,
+    lease_not_found,
+    parse_endpoints,
+)
 from watchdogd_client.events import NodeState, RdzvEvent
 
 __all__ = [
@@ -286,19 +292,26 @@ class EtcdRendezvous:
 
     async def _register(self, deadline: float = math.inf) -> None:
         """Put this node's key on a fresh lease (at start, and after the lease was lost)."""
+        record = NodeRecord(
+            name=self.node_name, hostname=self._hostname, pid=os.getpid(), addr=self.advertise_addr
+        )
         async with self._register_lock:
-            lease, sent = await self._store.grant(self.lease_ttl, deadline=deadline)
-            record = NodeRecord(
-                name=self.node_name,
-                hostname=self._hostname,
-                pid=os.getpid(),
-                addr=self.advertise_addr,
-            )
-            await self._store.put(
-                _NODES + self.node_id, _encoder.encode(record), lease=lease, deadline=deadline
-            )
-            self._lease = lease
-            self._renewed(sent)
+            while True:
+                lease, sent = await self._store.grant(self.lease_ttl, deadline=deadline)
+                try:
+                    await self._store.put(
+                        _NODES + self.node_id,
+                        _encoder.encode(record),
+                        lease=lease,
+                        deadline=deadline,
+                    )
+                except Exception as e:
+                    if lease_not_found(e):
+                        continue  # it expired before the key was on it (a slow etcd): again
+                    raise
+                self._lease = lease
+                self._renewed(sent)
+                return
 
     async def _revoke(self) -> None:
         with anyio.CancelScope(shield=True):

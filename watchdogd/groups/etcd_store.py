@@ -38,7 +38,7 @@ from aetcd.rpc import StatusCode  # type: ignore[import-untyped]
 
 from watchdogd.core.rdzv_state import RendezvousConnectionError
 
-__all__ = ["EtcdStore", "KeyValue", "Listing", "Mirror", "parse_endpoints"]
+__all__ = ["EtcdStore", "KeyValue", "Listing", "Mirror", "lease_not_found", "parse_endpoints"]
 
 log = logging.getLogger("watchdogd.etcd")
 
@@ -101,6 +101,12 @@ def parse_endpoints(value: str, default_port: int = 2379) -> list[tuple[str, int
     if not endpoints:
         raise ValueError("no etcd endpoint given (--rdzv-endpoint HOST:PORT[,HOST:PORT…])")
     return endpoints
+
+
+def lease_not_found(error: BaseException) -> bool:
+    """etcd no longer knows the lease a call named (it expired)."""
+    code = getattr(error.__cause__, "code", None)
+    return isinstance(error, ClientError) and callable(code) and code() == StatusCode.NOT_FOUND
 
 
 def _transient(error: BaseException) -> bool:
@@ -292,7 +298,12 @@ class EtcdStore:
         return await self.call(keep_alive, what="lease keep-alive")
 
     async def revoke(self, lease: int, *, deadline: float) -> None:
-        await self.call(lambda c: c.revoke_lease(lease), deadline=deadline, what="lease revoke")
+        """Drop ``lease`` (and its keys); one that already expired is dropped already."""
+        try:
+            await self.call(lambda c: c.revoke_lease(lease), deadline=deadline, what="lease revoke")
+        except ClientError as e:
+            if not lease_not_found(e):
+                raise
 
     async def follow(
         self, start_revision: int, apply: Callable[[str, bytes | None, int], None]
