@@ -53,3 +53,22 @@ def from_the_queue(queue: Any) -> str:
 
 def sleeps() -> None:
     time.sleep(60)
+
+
+def all_reduce() -> tuple[float, int]:
+    """A gloo world over the job's store; and how many torch helpers run meanwhile."""
+    import torch
+    import torch.distributed as dist
+
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    dist.init_process_group("gloo")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    helpers = 0
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            helpers += b"watchdogd.groups.torch_helper" in (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+    return float(total.item()), helpers

@@ -98,6 +98,13 @@ def test_a_multiprocessing_queue_reaches_the_workers_under_forkserver() -> None:
     assert sorted(queue.get(timeout=10) for _ in range(2)) == [0, 1]
 
 
+def test_the_callers_process_serves_the_jobs_store() -> None:
+    # torch is imported here (this module uses it): the store is served from this
+    # process, as torch's agent serves it, with no helper importing torch beside.
+    values = elastic_launch(config(2), workers.all_reduce)()
+    assert values == {0: (2.0, 0), 1: (2.0, 0)}
+
+
 def test_a_program_entrypoint_returns_none_per_rank() -> None:
     assert elastic_launch(config(2), "true")() == {0: None, 1: None}
     with pytest.raises(ChildFailedError) as caught:

@@ -16,18 +16,27 @@ torch whenever the workers use ``torch.distributed``):
 - the helper failing later (a broken torch) is reported by :meth:`serving`,
   so that the attempt can be started again without it;
 - each attempt after the first gets an empty store on the same socket
-  (:meth:`renew`), as torch's agent makes a new one for every round.
+  (:meth:`renew`), as torch's agent makes a new one for every round;
+- in a process that had imported torch already (``watchdogd.launcher``
+  under a caller that uses torch), the store is served from that process
+  (:class:`LocalAgentStore`), as torch's own agent serves it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import sys
+from typing import Any
+
+import anyio
 
 from watchdogd.groups.helper_process import HelperError, TorchHelper
 from watchdogd.groups.torch_wire import Hosting, HostStore
 from watchdogd.linux.net import bind_any
 
-__all__ = ["AgentStore"]
+__all__ = ["AgentStore", "LocalAgentStore"]
 
 log = logging.getLogger("watchdogd.rendezvous")
 
@@ -40,13 +49,18 @@ class AgentStore:
         self.port = port
 
     @classmethod
-    async def start(cls, python: str | None, port: int) -> AgentStore | None:
+    async def start(cls, python: str | None, port: int) -> AgentStore | LocalAgentStore | None:
         """Host the store on ``port`` (0: a free one); None when it cannot be done here."""
         try:
             sock = bind_any(port)
         except OSError as e:
             log.warning("port %d: %s; the job's store stays with rank 0", port, e.strerror)
             return None
+        if "torch" in sys.modules:
+            # torch's launch API, called by a process that already uses torch: host it
+            # here, as torch's agent does, rather than import torch once more beside
+            # the workers (the daemon itself never imports torch for this).
+            return await LocalAgentStore.start(sock)
         # The helper holds its own copy of the socket from its first instant.
         with sock:
             port = sock.getsockname()[1]
@@ -86,3 +100,50 @@ class AgentStore:
 
     async def aclose(self) -> None:
         await self.helper.aclose()
+
+
+class LocalAgentStore:
+    """The job's store served from this process, which had imported torch already.
+
+    A ``TCPStore`` serves from threads of its own; making and dropping one
+    (a millisecond) is done off the loop all the same.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.port: int = sock.getsockname()[1]
+        self._store: Any = None
+
+    @classmethod
+    async def start(cls, sock: socket.socket) -> LocalAgentStore:
+        store = cls(sock)
+        await store.renew()
+        return store
+
+    def _host(self) -> None:
+        import torch.distributed as dist
+
+        self._store = None  # the last attempt's, dropped first: the new one is empty
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            self.port,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=os.dup(self.sock.fileno()),
+        )
+
+    async def serving(self) -> bool:
+        return True
+
+    async def renew(self) -> bool:
+        await anyio.to_thread.run_sync(self._host)
+        return True
+
+    async def aclose(self) -> None:
+        def drop() -> None:
+            self._store = None
+            self.sock.close()
+
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(drop)

@@ -30,7 +30,7 @@ import anyio
 
 from watchdogd.core.rdzv_state import Change
 from watchdogd.core.workerenv import Placement
-from watchdogd.groups.agent_store import AgentStore
+from watchdogd.groups.agent_store import AgentStore, LocalAgentStore
 from watchdogd.linux.net import free_port
 from watchdogd_client.events import RdzvEvent
 from watchdogd_client.groups import GroupSpec, GroupState, RendezvousInfo
@@ -91,7 +91,7 @@ class StaticRendezvous:
             self.port = rdzv.master_port
         else:
             self.port = 0 if rdzv.nnodes == 1 else _TORCH_DEFAULT_PORT  # 0: a free one
-        self.store: AgentStore | None = None
+        self.store: AgentStore | LocalAgentStore | None = None
         self.local_restarts = spec.max_restarts
         self._rounds = 0
 
