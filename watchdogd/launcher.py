@@ -380,8 +380,6 @@ def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> s
 
 def _check_callable(entrypoint: Callable[..., Any], start_method: str) -> None:
     """A callable the workers cannot be sent is refused before anything starts."""
-    if start_method == "fork":
-        return
     try:
         reduction.ForkingPickler.dumps(entrypoint)
     except Exception as e:
@@ -454,15 +452,15 @@ def run_launch(
         command = [entrypoint, *map(str, args)]
         spec = msgspec.structs.replace(spec, entrypoint=command, **spec_fields)
         return _launch(config, spec, name, signals, None)
-    _check_callable(entrypoint, config.start_method)
     described = [f"{entrypoint.__module__}:{getattr(entrypoint, '__qualname__', name)}"]
     spec = msgspec.structs.replace(spec, entrypoint=described, **spec_fields)
     results = Path(tempfile.mkdtemp(prefix="watchdogd-launch-"))
     try:
         try:
             starter = CallableStarter(entrypoint, args, config.start_method, results)
-        except GroupError as e:
+        except GroupError as e:  # a start method it cannot use
             raise ValueError(str(e)) from None
+        _check_callable(entrypoint, config.start_method)
         return _launch(config, spec, name, signals, starter)
     finally:
         shutil.rmtree(results, ignore_errors=True)

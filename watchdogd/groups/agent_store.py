@@ -25,7 +25,6 @@ torch whenever the workers use ``torch.distributed``):
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import sys
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import anyio
 
 from watchdogd.groups.helper_process import HelperError, TorchHelper
+from watchdogd.groups.torch_helper import serve_tcp_store
 from watchdogd.groups.torch_wire import Hosting, HostStore
 from watchdogd.linux.net import bind_any
 
@@ -121,17 +121,8 @@ class LocalAgentStore:
         return store
 
     def _host(self) -> None:
-        import torch.distributed as dist
-
         self._store = None  # the last attempt's, dropped first: the new one is empty
-        self._store = dist.TCPStore(
-            "127.0.0.1",
-            self.port,
-            is_master=True,
-            wait_for_workers=False,
-            multi_tenant=True,
-            master_listen_fd=os.dup(self.sock.fileno()),
-        )
+        self._store = serve_tcp_store(self.port, self.sock.fileno())
 
     async def serving(self) -> bool:
         return True

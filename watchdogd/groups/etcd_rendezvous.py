@@ -351,11 +351,12 @@ class EtcdRendezvous:
     async def _fence_when_unrenewed(self) -> None:
         """Fence this node ``fence_margin`` before its lease can have run out on etcd."""
         while True:
-            deadline = self._renewed_at + self.lease_ttl - self.fence_margin
-            if time.monotonic() < deadline or self.fenced_since is not None:
-                with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-                    await self._renewal.wait()
-                if self.fenced_since is not None:
+            if self.fenced_since is not None:
+                await self._renewal.wait()  # which unfences it
+                continue
+            left = self._renewed_at + self.lease_ttl - self.fence_margin - time.monotonic()
+            if left > 0:
+                with anyio.move_on_after(left):
                     await self._renewal.wait()
                 continue
             self.fenced_since = time.time()

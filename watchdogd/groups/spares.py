@@ -213,8 +213,8 @@ class SparePool:
         if self.spares.get(spare.local_rank) is not spare:
             return
         del self.spares[spare.local_rank]
-        status = spare.popen.wait()
-        spare.close()
+        self._reap(spare)
+        status = spare.popen.returncode
         if self._closed:
             return
         self.events.emit("spare_died", group=self.group, local_rank=spare.local_rank,
@@ -236,8 +236,7 @@ class SparePool:
         self._wanted.set()  # its replacement, in the background
         if spare is None or spare.popen.poll() is not None:
             if spare is not None:
-                spare.popen.wait()
-                spare.close()
+                self._reap(spare)
             return self.cold.start(local_rank, attempt, env, streams, cpus)
         spare.unwatch()
         ends: list[tuple[int | None, int | None]] = []

@@ -88,6 +88,26 @@ def _failure(error: Exception) -> Failed:
     return Failed(kind=kind, message=_describe(error))
 
 
+def serve_tcp_store(port: int, listen_fd: int) -> Any:
+    """The job's ``TCPStore``, listening on ``listen_fd``, a socket already bound to ``port``.
+
+    Workers may be knocking already. torch listens on a copy of the socket, so
+    that the next attempt's store can listen on it too once this one is dropped;
+    its own client reaches it over loopback. Imports torch: call it where that
+    is allowed (the helper, or a process that imported torch already).
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=os.dup(listen_fd),
+    )
+
+
 class _Helper:
     def __init__(self) -> None:
         self.store: Any = None
@@ -116,20 +136,8 @@ class _Helper:
             return _failure(e)
 
     def host_store(self, request: HostStore) -> Hosting:
-        import torch.distributed as dist
-
-        # The daemon bound the socket (workers may already be knocking): torch
-        # listens on a copy of it, so that the next attempt's store (a fresh one,
-        # this one dropped first) can listen on it too. Its client: over loopback.
-        self.store = None
-        self.store = dist.TCPStore(
-            "127.0.0.1",
-            request.port,
-            is_master=True,
-            wait_for_workers=False,
-            multi_tenant=True,
-            master_listen_fd=os.dup(request.fd),
-        )
+        self.store = None  # the last attempt's, dropped first: the new one is empty
+        self.store = serve_tcp_store(request.port, request.fd)
         return Hosting(port=self.store.port)
 
     def open(self, request: Open) -> Opened:
