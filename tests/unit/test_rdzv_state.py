@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from watchdogd.core.rdzv_state import (
-    Member,
+    NodeRecord,
+    Record,
     RendezvousClosedError,
     RestartCount,
     RoundState,
-    advance,
+    asking,
     count_restart,
+    decide,
     membership,
     waiting_count,
     where,
@@ -20,150 +23,218 @@ from watchdogd.core.rdzv_state import (
 from watchdogd.groups.etcd_rendezvous import parse_endpoints, parse_nnodes
 
 
-def node(name: str, port: int = 1000) -> Member:
-    return Member(node=name, addr=f"{name}.example", port=port)
+class Job:
+    """The leader's view in a test: every live node's record, and etcd's revision counter."""
+
+    def __init__(self, min_nodes: int = 2, max_nodes: int = 3) -> None:
+        self.records: dict[str, Record] = {}
+        self.revision = 0
+        self.state = RoundState()
+        self.restarts = 0
+        self.ran: dict[str, int] = {}  # the last round each node ran
+        self.limits = {"min_nodes": min_nodes, "max_nodes": max_nodes}
+
+    def put(self, name: str, **fields: Any) -> None:
+        old = self.records.get(name)
+        base = old.value if old else NodeRecord(name=name, hostname=name, pid=1, addr=f"{name}.x")
+        self.revision += 1
+        self.records[name] = Record(msgspec.structs.replace(base, **fields), self.revision)
+
+    def ask(self, name: str, port: int = 1000) -> None:
+        """``name`` calls next_rendezvous: after the round it last ran, with its old rank."""
+        rank = self.state.members.index(name) if name in self.state.members else None
+        last = self.records.get(name)
+        rank = rank if rank is not None else (last.value.rank if last else None)
+        self.put(name, port=port, asks_after=self.ran.get(name, -1), rank=rank, ended=False)
+
+    def end(self, name: str) -> None:
+        self.put(name, asks_after=None, ended=True)
+
+    def die(self, name: str) -> None:
+        del self.records[name]
+
+    def decide(self, last_call_over: bool = False) -> RoundState:
+        self.state = decide(
+            self.state, self.records, self.restarts, last_call_over=last_call_over, **self.limits
+        )
+        for name in self.state.members:  # the members see the round: they run it now
+            self.ran[name] = self.state.round
+        return self.state
 
 
-def step(
-    state: RoundState,
-    me: Member,
-    alive: set[str] | None = None,
-    *,
-    leaving: bool = True,
-    min_nodes: int = 2,
-    max_nodes: int = 3,
-    last_call_over: bool = False,
-) -> RoundState:
-    """One node's move; by default every node named in ``state`` (and ``me``) is alive."""
-    if alive is None:
-        alive = {m.node for m in (*state.participants, *state.waiting)}
-    return advance(
-        state,
-        me,
-        alive,
-        leaving=leaving,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        last_call_over=last_call_over,
-    )
-
-
-def ranks(state: RoundState) -> dict[str, Any]:
-    return {m.node: m.rank for m in state.participants}
-
-
-def formed(*names: str, **limits: Any) -> RoundState:
-    """The complete round that these nodes form when they arrive in this order."""
-    state = RoundState()
+def formed(*names: str, **limits: int) -> Job:
+    """The job once these nodes asked in this order and the round completed."""
+    job = Job(**limits)
     for index, name in enumerate(names):
-        state = step(state, node(name, 1000 + index), **limits)
-    if not state.complete:
-        state = step(state, node(names[0], 1000), leaving=False, last_call_over=True, **limits)
-    assert state.complete
-    return state
+        job.ask(name, 1000 + index)
+    job.decide(last_call_over=True)
+    assert job.state.complete
+    return job
 
 
-def test_max_nodes_arriving_complete_the_round_with_ranks_in_arrival_order() -> None:
-    state = step(RoundState(), node("a", 1111), max_nodes=2)
-    assert (where(state, "a"), state.complete) == ("joined", False)
-    state = step(state, node("b", 2222), max_nodes=2)
-    assert state.complete
-    assert ranks(state) == {"a": 0, "b": 1}
-    assert (state.world_size, state.master_addr, state.master_port) == (2, "a.example", 1111)
-    assert where(state, "a") == where(state, "b") == "running"
+def test_max_nodes_asking_complete_the_round_in_the_order_they_asked() -> None:
+    job = Job(max_nodes=2)
+    job.ask("a", 1111)
+    assert job.decide() == RoundState()  # 1 of max 2: nothing to write
+    job.ask("b", 2222)
+    state = job.decide()
+    assert state.complete and state.members == ("a", "b")
+    assert (state.master_addr, state.master_port) == ("a.x", 1111)
+    assert where(state, "a", -1) == where(state, "b", -1) == "running"
 
 
 def test_min_nodes_complete_only_once_the_last_call_is_over() -> None:
-    state = step(step(RoundState(), node("a")), node("b"))
-    assert not state.complete  # 2 of max 3: the window stays open
-    assert step(state, node("a"), leaving=False) == state  # nothing to write yet
-    state = step(state, node("a"), leaving=False, last_call_over=True)
-    assert state.complete and ranks(state) == {"a": 0, "b": 1}
+    job = Job()
+    job.ask("a")
+    job.ask("b")
+    assert not job.decide().complete  # 2 of max 3: the window stays open
+    assert job.decide(last_call_over=True).members == ("a", "b")
 
 
 def test_the_last_call_never_completes_a_round_below_min_nodes() -> None:
-    state = step(RoundState(), node("a"), last_call_over=True)
-    assert not state.complete
+    job = Job()
+    job.ask("a")
+    assert not job.decide(last_call_over=True).complete
 
 
-def test_a_node_arriving_at_a_complete_round_waits_and_the_runners_see_it() -> None:
-    state = formed("a", "b")
-    state = step(state, node("c"))
-    assert where(state, "c") == "waiting"
-    assert waiting_count(state, state.round, max_nodes=3) == 1
-    assert membership(state, state.round, ["a", "b"], {"a", "b", "c"}, 3) == "waiting"
+def test_a_registered_node_that_does_not_ask_is_not_taken() -> None:
+    job = Job(min_nodes=1)
+    job.put("idle")
+    job.ask("a")
+    assert job.decide(last_call_over=True).members == ("a",)
+
+
+def test_a_node_arriving_at_a_running_round_waits_and_the_runners_see_it() -> None:
+    job = formed("a", "b")
+    job.ask("c")
+    state = job.decide()
+    assert where(state, "c", -1) == "waiting"
+    assert waiting_count(state, state.round) == 1
+    assert membership(state, state.round, ["a", "b"], set()) == "waiting"
+
+
+def test_each_arrival_is_not_a_write_once_the_runners_were_told() -> None:
+    job = formed("a", "b", max_nodes=4)
+    job.ask("c")
+    told = job.decide()
+    job.ask("d")
+    assert job.decide() is told  # still "waiting": nothing new for the runners
 
 
 def test_spare_nodes_beyond_max_are_no_reason_to_restart() -> None:
-    state = step(formed("a", "b", max_nodes=2), node("c"), max_nodes=2)
-    assert where(state, "c") == "waiting"
-    assert waiting_count(state, state.round, max_nodes=2) == 0
-    assert membership(state, state.round, ["a", "b"], {"a", "b", "c"}, 2) is None
+    job = formed("a", "b", max_nodes=2)
+    job.ask("c")
+    state = job.decide()
+    assert where(state, "c", -1) == "waiting"
+    assert waiting_count(state, state.round) == 0
+    assert membership(state, state.round, ["a", "b"], set()) is None
 
 
 def test_the_next_round_opens_when_every_runner_came_back_and_keeps_their_ranks() -> None:
-    state = formed("a", "b")
-    state = step(state, node("c", 3000))  # newcomer waits
-    state = step(state, node("b", 2000))  # b restarts: it leaves its place
-    assert state.complete and [m.node for m in state.participants] == ["a"]  # a still runs
-    assert membership(state, state.round, ["a", "b"], {"a", "b", "c"}, 3) == "waiting"
-    old_round = state.round
-    state = step(state, node("a", 1000))  # the last runner comes back: round 2 opens, full
-    assert state.round == old_round + 1
-    assert state.complete and ranks(state) == {"a": 0, "b": 1, "c": 2}
-    assert (state.master_addr, state.master_port) == ("a.example", 1000)
-    assert state.waiting == ()
+    job = formed("a", "b")
+    first = job.state.round
+    job.ask("c", 3000)  # newcomer waits
+    job.decide()
+    job.ask("b", 2000)  # b restarts: it leaves its place
+    state = job.decide()
+    assert state.complete and state.round == first  # a still runs
+    assert membership(state, first, ["a", "b"], set()) == "waiting"
+    job.ask("a", 1000)  # the last runner comes back: the next round opens, full
+    state = job.decide()
+    assert state.round == first + 1 and state.complete
+    assert state.members == ("a", "b", "c")
+    assert (state.master_addr, state.master_port, state.waiting) == ("a.x", 1000, 0)
 
 
 def test_dead_nodes_are_dropped_and_the_survivors_keep_their_order() -> None:
-    state = formed("a", "b", "c")
-    assert membership(state, state.round, ["a", "b", "c"], {"b", "c"}, 3) == "lost"
-    state = step(state, node("c"), alive={"b", "c"})
-    state = step(state, node("b"), alive={"b", "c"})  # a is gone: b was the last runner
-    assert not state.complete and [m.node for m in state.participants] == ["b", "c"]
-    state = step(state, node("b"), alive={"b", "c"}, leaving=False, last_call_over=True)
-    assert ranks(state) == {"b": 0, "c": 1}
-    assert state.master_addr == "b.example"
+    job = formed("a", "b", "c", max_nodes=3)
+    job.die("a")
+    assert membership(job.state, job.state.round, ["a", "b", "c"], {"a"}) == "lost"
+    job.ask("c")
+    job.ask("b")
+    state = job.decide()
+    assert not state.complete and state.round == 1  # opened, waiting out the last call
+    assert asking(state, job.records) == ["b", "c"]  # old rank order, not asking order
+    state = job.decide(last_call_over=True)
+    assert state.members == ("b", "c") and state.master_addr == "b.x"
 
 
 def test_a_complete_round_whose_nodes_all_died_gives_way_to_a_newcomer() -> None:
-    state = step(formed("a", "b"), node("c"), alive={"c"})
-    assert state.round == 1 and [m.node for m in state.participants] == ["c"]
+    job = formed("a", "b", min_nodes=1)
+    job.die("a")
+    job.die("b")
+    job.ask("c")
+    assert job.decide(last_call_over=True).members == ("c",)
 
 
-def test_a_participant_leaving_does_not_change_the_others_view_of_the_round() -> None:
-    before = formed("a", "b")
-    after = step(before, node("a"))  # a restarts before b even saw the round complete
-    assert where(after, "b") == "running"
-    assert (after.world_size, after.master_addr) == (before.world_size, before.master_addr)
-    assert ranks(after) == {"b": 1}
+def test_a_restarting_member_does_not_change_the_others_view_of_the_round() -> None:
+    job = formed("a", "b")
+    before = job.state
+    job.ask("a")  # a restarts before b even saw the round complete
+    after = job.decide()
+    assert where(after, "b", -1) == "running"
+    assert (after.members, after.master_addr) == (before.members, before.master_addr)
 
 
-def test_a_node_that_already_left_is_not_moved_again() -> None:
-    state = step(formed("a", "b"), node("a"))
-    assert step(state, node("a"), leaving=False) == state
+def test_a_full_open_round_leaves_the_next_node_waiting() -> None:
+    job = Job(min_nodes=1, max_nodes=1)
+    job.ask("a")
+    job.ask("b")
+    state = job.decide()
+    assert (where(state, "a", -1), where(state, "b", -1)) == ("running", "waiting")
 
 
-def test_a_full_open_round_queues_the_next_node() -> None:
-    state = step(step(RoundState(), node("a"), max_nodes=1), node("b"), max_nodes=1)
-    assert (where(state, "a"), where(state, "b")) == ("running", "waiting")
+def test_the_round_ends_when_every_member_ended_or_died() -> None:
+    job = formed("a", "b", "c", max_nodes=3)
+    job.end("a")
+    assert not job.decide().ended  # b and c still run
+    job.end("b")
+    job.die("c")
+    state = job.decide()
+    assert state.ended and state.round == 0  # no next round for the dead
+    assert job.decide() is state
+
+
+def test_the_barrier_holds_while_a_member_restarts_instead() -> None:
+    job = formed("a", "b")
+    job.end("a")
+    job.ask("b")  # b failed and asks again: a waits for b's end, which is in a later round
+    state = job.decide()
+    assert not state.ended and state.round == 1
+
+
+def test_the_job_restart_count_is_in_the_completed_round() -> None:
+    job = formed("a", "b", max_nodes=2)
+    job.restarts = 1
+    job.ask("a")
+    job.ask("b")
+    assert job.decide().restarts == 1
 
 
 def test_a_round_that_moved_on_means_this_node_was_dropped() -> None:
-    state = formed("a", "b")
-    later = RoundState(round=state.round + 1, participants=(node("b"),))
-    assert membership(later, state.round, ["a", "b"], {"a", "b"}, 3) == "lost"
+    state = formed("a", "b").state
+    later = RoundState(round=state.round + 1, complete=True, members=("b",))
+    assert membership(later, state.round, ["a", "b"], set()) == "lost"
 
 
-def test_closed_stops_joining_and_running() -> None:
-    closed = RoundState(closed=True)
-    with pytest.raises(RendezvousClosedError):
-        step(closed, node("a"))
-    assert membership(closed, 0, ["a"], {"a"}, 3) == "closed"
+def test_a_closed_run_stops_running_nodes_and_the_leader_decides_nothing_more() -> None:
+    job = formed("a", "b")
+    job.state = msgspec.structs.replace(job.state, closed=True)
+    assert membership(job.state, job.state.round, ["a"], set()) == "closed"
+    job.ask("a")
+    job.ask("b")
+    assert job.decide() == job.state  # no next round once closed
+    job.end("a")
+    job.end("b")
+    assert job.decide().ended  # but the exit barrier still ends
+
+
+def test_closed_is_an_error_class_of_its_own() -> None:
+    assert issubclass(RendezvousClosedError, Exception)
 
 
 def test_the_same_inputs_give_the_same_ranks() -> None:
-    assert formed("x", "y", "z") == formed("x", "y", "z")
+    assert formed("x", "y", "z").state == formed("x", "y", "z").state
 
 
 def test_a_restart_is_counted_once_per_round() -> None:

@@ -1,37 +1,53 @@
-"""Rendezvous rounds: the state document in etcd and how a node moves it. Pure.
+"""Rendezvous rounds: what each node asks for, and how one writer decides. Pure.
+
+Who writes what
+---------------
+- Every node writes only its own record (:class:`NodeRecord`, one key on its
+  lease): its address and master port, and whether it asks for a place
+  (``asks_after``: a round newer than that one), or has ended (the exit
+  barrier). No node contends with another for a key.
+- One node, the leader, writes the round document (:class:`RoundState`),
+  and only when the round changes: :func:`decide` maps the records it
+  watches to the next document. The others watch that one key; none reads
+  in a loop. Any node may still close the run (compare-and-swap on the
+  document), so the leader's write is a compare-and-swap too.
 
 Rules
 -----
-- One document per run (:class:`RoundState`) holds the current round: its
-  number, whether it is complete, its participants and the nodes waiting for
-  the next one. Nodes change it only by compare-and-swap on its revision, so
-  every function here maps one state to the next and never reads a clock.
-- A node that wants a place (:func:`advance` with ``leaving=True``):
-  joins an open round while it has room, else waits; in a complete round it
-  leaves its place (it is restarting) and waits for the next round.
-- A complete round ends when none of its participants is left: each came
-  back (waiting) or died. The next round opens with the waiting nodes:
-  those that held a rank first, in their old rank order, so rank 0 and the
-  master stay put while they live; newcomers after them in arrival order.
-- A round completes when ``max_nodes`` joined, or ``min_nodes`` joined and
-  the caller says the last-call window passed (each node times it on its
-  own monotonic clock: no cross-node clocks). Ranks are the join order above;
-  rank 0's published address and port are the master endpoint.
-- Nodes whose leased key is gone (``alive`` lacks them) are dropped from
-  every list: a round never waits for the dead.
-- Once ``closed``, every attempt to join raises :class:`RendezvousClosedError`.
+- A complete round runs while some member is *running*: alive, not ended,
+  and asking for nothing newer than it. A member that asks again is
+  restarting; newcomers asking while it runs are *waiting*.
+- ``waiting`` in the document (torch's ``num_nodes_waiting``) is the number
+  of waiting nodes a new round would take: 0 while the round is full (the
+  extra nodes are spares, no reason to restart), else every asking node.
+  The leader rewrites it only when it goes from zero to non-zero or back,
+  never once per arrival: every node watching the document gets each write.
+- A complete round with no member running ends: if some member ended and
+  none asks again, the round is ``ended`` and the exit barrier is over;
+  otherwise (a member restarts, or all died) the next round opens.
+- An open round takes every asking node: those that held a rank first, in
+  their old rank order, so rank 0 and the master stay put while they live;
+  newcomers after them in the order they asked (their record's etcd
+  revision: no clocks). It completes when ``max_nodes`` ask, or
+  ``min_nodes`` ask and the leader says the last-call window passed (it
+  times that on its own monotonic clock). Ranks are that order; rank 0's
+  address and port are the master endpoint.
+- The dead (their key is gone) are in no list: a round never waits for them.
+- Once ``closed``, no round opens or completes (every attempt to join raises
+  :class:`RendezvousClosedError`); the exit barrier still ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from typing import Literal, NamedTuple
 
 import msgspec
 
 __all__ = [
     "Change",
-    "Member",
+    "NodeRecord",
+    "Record",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
@@ -39,8 +55,9 @@ __all__ = [
     "RestartCount",
     "RoundState",
     "Where",
-    "advance",
+    "asking",
     "count_restart",
+    "decide",
     "membership",
     "waiting_count",
     "where",
@@ -63,30 +80,44 @@ class RendezvousConnectionError(RendezvousError):
     """etcd stayed unreachable past the operation's bound."""
 
 
-class Member(msgspec.Struct, frozen=True, kw_only=True):
-    """A node as the round document lists it: what it published when it arrived."""
+class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The value of a node's leased key ``nodes/<node>``: who it is and what it asks for."""
 
-    node: str
-    """Unique per rendezvous session: ``name:pid:random``."""
+    name: str
+    hostname: str
+    pid: int
     addr: str
-    port: int
-    """The master port this node would serve as rank 0."""
+    port: int = 0
+    """The master port this node would serve as rank 0 (set when it asks)."""
+    asks_after: int | None = None
+    """It asks for a place in a round newer than this one (-1: any); None: it does not ask."""
     rank: int | None = None
-    """Its rank in the last complete round it was part of; None for a newcomer."""
+    """Its rank in the last round it ran; None for a newcomer."""
+    ended: bool = False
+    """Its group finished: it waits at the exit barrier."""
 
 
-class RoundState(msgspec.Struct, frozen=True, kw_only=True):
-    """The whole rendezvous of one run, stored as JSON under ``<prefix>/state``."""
+class Record(NamedTuple):
+    """A node's record and the etcd revision it was written at (the order it asked in)."""
+
+    value: NodeRecord
+    revision: int
+
+
+class RoundState(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The run's current round, stored as JSON under ``<prefix>/state`` by the leader."""
 
     round: int = 0
     complete: bool = False
-    participants: tuple[Member, ...] = ()
-    """Open round: in arrival order. Complete: by rank, minus those that left."""
-    waiting: tuple[Member, ...] = ()
-    world_size: int = 0
-    """Set when the round completes; unchanged as participants leave it."""
+    members: tuple[str, ...] = ()
+    """Complete: the round's nodes, in rank order (the world size is its length)."""
     master_addr: str = ""
     master_port: int = 0
+    restarts: int = 0
+    """The job's restart count when the round completed."""
+    waiting: int = 0
+    ended: bool = False
+    """Every member ended or died: the exit barrier of this round is over."""
     closed: bool = False
 
 
@@ -98,118 +129,118 @@ class RestartCount(msgspec.Struct, frozen=True, kw_only=True):
     """The last round whose failure was counted: one failure per round."""
 
 
-Where = Literal["running", "joined", "waiting", "absent"]
+Where = Literal["running", "waiting", "pending"]
 Change = Literal["waiting", "lost", "fenced", "closed"]
 
 
-def _has(members: Iterable[Member], node: str) -> bool:
-    return any(m.node == node for m in members)
+def _running(state: RoundState, records: Mapping[str, Record]) -> list[str]:
+    """Members of the complete round still in it (alive, not ended, not asking again)."""
+    running = []
+    for node in state.members:
+        record = records.get(node)
+        if record is None or record.value.ended:
+            continue
+        asks = record.value.asks_after
+        if asks is None or asks < state.round:
+            running.append(node)
+    return running
 
 
-def _by_old_rank(members: Iterable[Member]) -> tuple[Member, ...]:
-    """Former rank holders first, in rank order; newcomers after, in arrival order."""
-    return tuple(sorted(members, key=lambda m: (m.rank is None, m.rank or 0)))
+def asking(state: RoundState, records: Mapping[str, Record]) -> list[str]:
+    """The nodes asking for a place in a round after the one running, in rank order."""
+    running = set(_running(state, records)) if state.complete else set()
+    asked = [
+        (node, record)
+        for node, record in records.items()
+        if record.value.asks_after is not None and not record.value.ended and node not in running
+    ]
+    asked.sort(key=lambda item: _order(item[1]))
+    return [node for node, _ in asked]
 
 
-def _complete(state: RoundState) -> RoundState:
-    ranked = tuple(
-        msgspec.structs.replace(m, rank=i) for i, m in enumerate(_by_old_rank(state.participants))
-    )
-    return msgspec.structs.replace(
-        state,
-        complete=True,
-        participants=ranked,
-        world_size=len(ranked),
-        master_addr=ranked[0].addr,
-        master_port=ranked[0].port,
-    )
+def _order(record: Record) -> tuple[bool, int, int]:
+    """Former rank holders first, by rank; newcomers after, in the order they asked."""
+    rank = record.value.rank
+    return (rank is None, rank or 0, record.revision)
 
 
-def _open_next(state: RoundState, max_nodes: int) -> RoundState:
-    queue = _by_old_rank(state.waiting)
+def _complete(
+    state: RoundState, members: list[str], records: Mapping[str, Record], restarts: int
+) -> RoundState:
+    master = records[members[0]].value
     return RoundState(
-        round=state.round + 1,
-        participants=queue[:max_nodes],
-        waiting=queue[max_nodes:],
-        closed=state.closed,
+        round=state.round,
+        complete=True,
+        members=tuple(members),
+        master_addr=master.addr,
+        master_port=master.port,
+        restarts=restarts,
     )
 
 
-def advance(
+def decide(
     state: RoundState,
-    me: Member,
-    alive: Set[str],
+    records: Mapping[str, Record],
+    restarts: int,
     *,
-    leaving: bool,
     min_nodes: int,
     max_nodes: int,
     last_call_over: bool,
 ) -> RoundState:
-    """The state this node should write (``state`` itself when nothing changes).
+    """The document the leader should write (``state`` itself when nothing changes).
 
-    ``leaving``: this node has not yet taken its place for this rendezvous
-    (the first call of ``next_rendezvous``): if it holds a place in a complete
-    round, it gives it up. Later calls only re-queue a node that was dropped.
+    ``records``: every live node's record; ``restarts``: the job's count now.
     """
-    if state.closed:
-        raise RendezvousClosedError("the rendezvous is closed: the job has finished")
-    alive = set(alive) | {me.node}
-    participants = tuple(m for m in state.participants if m.node in alive)
-    waiting = tuple(m for m in state.waiting if m.node in alive)
-    queued = _has(participants, me.node) or _has(waiting, me.node)
     if state.complete:
-        mine = next((m for m in participants if m.node == me.node), None)
-        if mine is not None and leaving:  # participant -> waiting (it restarts)
-            participants = tuple(m for m in participants if m.node != me.node)
-            waiting += (msgspec.structs.replace(me, rank=mine.rank),)
-        elif not queued:  # newcomer (or a dropped node) -> waiting
-            waiting += (me,)
-        state = msgspec.structs.replace(state, participants=participants, waiting=waiting)
-        if not participants:  # complete -> next round open: all came back or died
-            state = _open_next(state, max_nodes)
-    else:
-        if not queued:
-            if len(participants) < max_nodes:
-                participants += (me,)  # newcomer -> participant
-            else:
-                waiting += (me,)  # newcomer -> waiting: this round is full
-        state = msgspec.structs.replace(state, participants=participants, waiting=waiting)
-    if not state.complete:
-        full = len(state.participants) >= max_nodes
-        if full or (last_call_over and len(state.participants) >= min_nodes):
-            state = _complete(state)  # open -> complete: ranks assigned
+        running = _running(state, records)
+        queue = asking(state, records)
+        if running:
+            count = len(queue) if len(running) < max_nodes else 0
+            if state.closed or (count > 0) == (state.waiting > 0):
+                return state
+            return msgspec.structs.replace(state, waiting=count)
+        ended = any(node in records and records[node].value.ended for node in state.members)
+        if ended and not any(node in queue for node in state.members):
+            # Its nodes ended (or died) and none asks again: the exit barrier is over,
+            # closed or not (a failed job closes the run, then waits at the barrier).
+            return state if state.ended else msgspec.structs.replace(state, ended=True)
+        if state.closed:
+            return state
+        state = RoundState(round=state.round + 1)  # the next round opens
+    if state.closed:
+        return state
+    queue = asking(state, records)
+    if len(queue) >= max_nodes or (last_call_over and len(queue) >= min_nodes):
+        return _complete(state, queue[:max_nodes], records, restarts)
     return state
 
 
-def where(state: RoundState, node: str) -> Where:
-    """Where ``node`` stands in ``state``."""
-    if _has(state.participants, node):
-        return "running" if state.complete else "joined"
-    return "waiting" if _has(state.waiting, node) else "absent"
+def where(state: RoundState, node: str, asks_after: int) -> Where:
+    """Where a node asking for a round newer than ``asks_after`` stands in ``state``."""
+    if not state.complete or state.round <= asks_after:
+        return "pending"
+    return "running" if node in state.members else "waiting"
 
 
-def waiting_count(state: RoundState, round: int, max_nodes: int) -> int:
-    """Nodes waiting to join that a new round of ``round`` would take (torch's meaning).
-
-    Newcomers waiting while the round is full are spare nodes, not a reason
-    to restart; a participant that left to restart always counts.
-    """
+def waiting_count(state: RoundState, round: int) -> int:
+    """Nodes waiting for a new round of ``round`` that it would take (torch's meaning)."""
     if state.round != round or not state.complete:
         return 0
-    if len(state.participants) >= max_nodes:
-        return 0
-    return len(state.waiting)
+    return state.waiting
 
 
 def membership(
-    state: RoundState, round: int, members: Iterable[str], alive: Set[str], max_nodes: int
+    state: RoundState, round: int, members: Iterable[str], gone: Iterable[str]
 ) -> Change | None:
-    """Why a node running ``round`` with ``members`` should stop, if it should."""
+    """Why a node running ``round`` with ``members`` should stop, if it should.
+
+    ``gone``: nodes whose key was deleted (dead, cut off, or left).
+    """
     if state.closed:
         return "closed"
-    if state.round != round or any(m not in alive for m in members):
+    if state.round != round or not set(members).isdisjoint(gone):
         return "lost"
-    if waiting_count(state, round, max_nodes) > 0:
+    if waiting_count(state, round) > 0:
         return "waiting"
     return None
 

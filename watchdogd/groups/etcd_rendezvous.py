@@ -5,12 +5,22 @@ One :class:`EtcdRendezvous` per node and job, selected by torchrun's flags
 --nnodes MIN:MAX`` (:func:`parse_endpoints`, :func:`parse_nnodes`). Its keys
 live under ``/watchdogd/rdzv/<run id>/``:
 
-- ``state``: the round document (:class:`~watchdogd.core.rdzv_state.RoundState`),
-  changed only by compare-and-swap; the rules are in :mod:`watchdogd.core.rdzv_state`;
 - ``nodes/<node>``: one key per live node, on a lease kept alive from the
-  event loop; when a node dies or is cut off, etcd deletes it after the TTL;
-- ``restarts``: the job's restart count, one per failed round;
-- ``exit/<round>/<node>``: where each node's group ended, for the exit barrier.
+  event loop, holding what the node asks for
+  (:class:`~watchdogd.core.rdzv_state.NodeRecord`); when a node dies or is
+  cut off, etcd deletes it after the TTL;
+- ``leader``: the node that decides the rounds, on its lease (the first to
+  create the key; when its lease ends, the others race to create it again);
+- ``state``: the round document (:class:`~watchdogd.core.rdzv_state.RoundState`),
+  written by the leader by compare-and-swap; the rules are in
+  :mod:`watchdogd.core.rdzv_state`;
+- ``restarts``: the job's restart count, one per failed round.
+
+Each node watches the ``state`` key and the deletions under the prefix, and
+nothing else; only the leader watches every key. So a round costs one write
+per node (its record) plus a few writes of the document, each pushed once to
+every node, and the steady state is lease keep-alives only: no node reads
+in a loop or contends for a key.
 
 A supervisor drives it like this (``run_attempt`` stands for its own code:
 spawn the workers with the placement, stop them on a membership change)::
@@ -58,11 +68,10 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
-from functools import partial
 from types import TracebackType
-from typing import NamedTuple, Self
+from typing import Self
 
 import anyio
 import anyio.abc
@@ -70,15 +79,17 @@ import msgspec
 
 from watchdogd.core.rdzv_state import (
     Change,
-    Member,
+    NodeRecord,
+    Record,
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousTimeoutError,
     RestartCount,
     RoundState,
-    advance,
+    asking,
     count_restart,
+    decide,
     membership,
     waiting_count,
     where,
@@ -86,8 +97,8 @@ from watchdogd.core.rdzv_state import (
 from watchdogd.core.workerenv import Placement
 from watchdogd.groups.etcd_store import (
     EtcdStore,
-    KeyValue,
     Mirror,
+    RevisionCompactedError,
     lease_not_found,
     parse_endpoints,
 )
@@ -131,47 +142,14 @@ class RendezvousResult(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
-class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """The value of a node's leased key: who it is, for people reading etcd."""
-
-    name: str
-    hostname: str
-    pid: int
-    addr: str
-
-
-class ExitRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """The value of ``exit/<round>/<node>``: how this node's group ended."""
-
-    state: NodeState
-
-
-class _View(NamedTuple):
-    """The run's keys, decoded."""
-
-    state: RoundState
-    state_revision: int
-    alive: frozenset[str]
-    restarts: RestartCount
-    restarts_revision: int
-
-
 _encoder = msgspec.json.Encoder()
 _state_decoder = msgspec.json.Decoder(RoundState)
+_record_decoder = msgspec.json.Decoder(NodeRecord)
 _restarts_decoder = msgspec.json.Decoder(RestartCount)
 _NODES = "nodes/"
-
-
-def _view(values: Mapping[str, KeyValue]) -> _View:
-    state = values.get("state")
-    restarts = values.get("restarts")
-    return _View(
-        state=_state_decoder.decode(state.value) if state else RoundState(),
-        state_revision=state.mod_revision if state else 0,
-        alive=frozenset(k.removeprefix(_NODES) for k in values if k.startswith(_NODES)),
-        restarts=_restarts_decoder.decode(restarts.value) if restarts else RestartCount(),
-        restarts_revision=restarts.mod_revision if restarts else 0,
-    )
+_STATE = "state"
+_LEADER = "leader"
+_RESTARTS = "restarts"
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -225,7 +203,9 @@ class EtcdRendezvous:
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
         self.node_name = node_name
-        self.node_id = f"{node_name.replace('/', '_')}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.node_id = self._new_id()
+        """Unique per registration (``name:pid:random``): a node cut off long enough
+        to lose its lease comes back under a new one, as a new member."""
         self.advertise_addr = advertise_addr
         self.lease_ttl = lease_ttl
         self.last_call = last_call
@@ -240,16 +220,28 @@ class EtcdRendezvous:
             call_timeout=call_timeout,
             on_outage=self._on_outage,
         )
-        self._mirror = Mirror()
+        self._record = NodeRecord(
+            name=node_name, hostname=self._hostname, pid=os.getpid(), addr=advertise_addr
+        )
         self._lease = 0
         self._register_lock = anyio.Lock()
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
-        # The last round this node ran in: number, members, and the revision
-        # of the state that completed it (the mirror is stale before that).
+        # What this node watches: the round document, and the nodes whose key
+        # was deleted (ids are never reused, so the set only grows by deaths).
+        self._state_mirror = Mirror(_STATE)
+        self._state = RoundState()
+        self._gone: set[str] = set()
+        self._changed = anyio.Event()
+        # Leadership: this node holds the ``leader`` key; ``_leader_free`` wakes
+        # a node that lost the race when the key is deleted.
+        self._leading = False
+        self._leader_free = anyio.Event()
+        self._lead_scope: anyio.CancelScope | None = None
+        # The last round this node ran in: number, members, its rank.
         self._round: int | None = None
         self._members: tuple[str, ...] = ()
-        self._round_revision = 0
+        self._rank: int | None = None
         self._lost_self = False
         # Self-fencing: the lease lives on etcd's clock from the moment etcd took a
         # renewal, which is after this node sent it. So the send time of the last
@@ -264,18 +256,23 @@ class EtcdRendezvous:
         self._renewal = anyio.Event()
         self._fenced = anyio.Event()
 
+    def _new_id(self) -> str:
+        return f"{self.node_name.replace('/', '_')}:{os.getpid()}:{secrets.token_hex(3)}"
+
     # -- lifetime ----------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        """Register this node (a leased key), start the watch and the lease keep-alive."""
+        """Register this node (a leased key), start the watches, the keep-alive, the lead."""
         async with AsyncExitStack() as stack:
             stack.push_async_callback(self._store.aclose)
-            await self._register(deadline=time.monotonic() + self.etcd_timeout)
+            registered = await self._publish(time.monotonic() + self.etcd_timeout, fresh=True)
             stack.push_async_callback(self._revoke)
             self._task_group = await stack.enter_async_context(anyio.create_task_group())
-            await self._task_group.start(self._mirror.run, self._store)
+            await self._task_group.start(self._follow_state)
+            self._task_group.start_soon(self._follow_deletions, registered + 1)
             self._task_group.start_soon(self._keep_alive)
             self._task_group.start_soon(self._fence_when_unrenewed)
+            self._task_group.start_soon(self._lead)
             self._stack = stack.pop_all()
         return self
 
@@ -290,28 +287,30 @@ class EtcdRendezvous:
         self._task_group.cancel_scope.cancel()
         await self._stack.__aexit__(exc_type, exc, tb)
 
-    async def _register(self, deadline: float = math.inf) -> None:
-        """Put this node's key on a fresh lease (at start, and after the lease was lost)."""
-        record = NodeRecord(
-            name=self.node_name, hostname=self._hostname, pid=os.getpid(), addr=self.advertise_addr
-        )
+    async def _publish(self, deadline: float = math.inf, *, fresh: bool = False) -> int:
+        """Write this node's record; ``fresh``: on a new lease, under a new id (at start,
+        and after the lease was lost). The revision of the write."""
         async with self._register_lock:
             while True:
-                lease, sent = await self._store.grant(self.lease_ttl, deadline=deadline)
+                lease, node_id, sent = self._lease, self.node_id, 0.0
+                if fresh:
+                    lease, sent = await self._store.grant(self.lease_ttl, deadline=deadline)
+                    node_id = self._new_id()
+                record = _encoder.encode(self._record)
                 try:
-                    await self._store.put(
-                        _NODES + self.node_id,
-                        _encoder.encode(record),
-                        lease=lease,
-                        deadline=deadline,
+                    revision = await self._store.put(
+                        _NODES + node_id, record, lease=lease, deadline=deadline
                     )
                 except Exception as e:
                     if lease_not_found(e):
-                        continue  # it expired before the key was on it (a slow etcd): again
+                        fresh = True  # it expired (before the key was on it, or while cut off)
+                        continue
                     raise
-                self._lease = lease
-                self._renewed(sent)
-                return
+                if fresh:
+                    self._lease, self.node_id = lease, node_id
+                    self._leader_free.set()  # a new lease may claim the lead
+                    self._renewed(sent)
+                return revision
 
     async def _revoke(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -332,12 +331,14 @@ class EtcdRendezvous:
             else:
                 # etcd let the lease expire (we were cut off): the others dropped us.
                 self._lost_self = True
+                self._step_down()
                 self._emit(
                     "node_lost",
                     f"{self.node_id}: lease expired while cut off from etcd; re-registering",
                     NodeState.FAILED,
                 )
-                await self._register()
+                self._notify()
+                await self._publish(fresh=True)
 
     def _renewed(self, sent: float) -> None:
         self._renewed_at = max(self._renewed_at, sent)
@@ -360,6 +361,7 @@ class EtcdRendezvous:
                     await self._renewal.wait()
                 continue
             self.fenced_since = time.time()
+            self._step_down()  # the others may soon elect another leader
             unrenewed = time.monotonic() - self._renewed_at
             self._emit(
                 "fenced",
@@ -368,12 +370,134 @@ class EtcdRendezvous:
                 NodeState.FAILED,
             )
             self._fenced.set()
+            self._notify()
+
+    # -- what every node watches -------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _news(self) -> None:
+        """Return once the round document, a deletion, or this node's fence changed."""
+        await self._changed.wait()
+
+    async def _follow_state(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self._state_mirror.run, self._store)
+            task_status.started()
+            while True:
+                revision = self._state_mirror.revision
+                found = self._state_mirror.values.get(_STATE)
+                self._state = _state_decoder.decode(found.value) if found else RoundState()
+                self._notify()
+                await self._state_mirror.wait_past(revision)
+
+    async def _follow_deletions(self, start_revision: int) -> None:
+        """Note every node whose key is deleted; on the leader's, race for the lead."""
+        while True:
+            try:
+                await self._store.follow(start_revision, self._deleted, deletes_only=True)
+            except RevisionCompactedError as e:
+                # Deletions were missed: the members of this node's round that are
+                # no longer registered are the ones.
+                log.warning("etcd compacted the watched history (%s); re-reading", e)
+                listing = await self._store.read_all(_NODES)
+                alive = {name.removeprefix(_NODES) for name in listing.values}
+                self._gone.update(m for m in self._members if m not in alive)
+                self._leader_free.set()
+                self._notify()
+                start_revision = listing.revision + 1
+
+    def _deleted(self, name: str, value: bytes | None, revision: int) -> None:
+        if name.startswith(_NODES):
+            self._gone.add(name.removeprefix(_NODES))
+            self._notify()
+        elif name == _LEADER:
+            self._leader_free.set()
+
+    # -- the leader --------------------------------------------------------------
+
+    def _step_down(self) -> None:
+        self._leading = False
+        if self._lead_scope is not None:
+            self._lead_scope.cancel()
+
+    async def _lead(self) -> None:
+        """Race for the ``leader`` key whenever it is free; decide the rounds while held."""
+        while True:
+            if self.fenced_since is not None:
+                await self._renewal.wait()
+                continue
+            if not self._leading:
+                self._leader_free = anyio.Event()
+                self._leading = await self._claim()
+                if not self._leading:
+                    await self._leader_free.wait()
+                    continue
+            with anyio.CancelScope() as self._lead_scope:
+                log.info("%s leads rendezvous %s", self.node_id, self.run_id)
+                await self._decide_rounds()
+            self._lead_scope = None
+
+    async def _claim(self) -> bool:
+        """Create the ``leader`` key on this node's lease; True if this node holds it."""
+        mine = self.node_id.encode()
+        if await self._store.create(_LEADER, mine, lease=self._lease):
+            return True
+        held = await self._store.get(_LEADER)
+        return held is not None and held.value == mine  # still ours (after a fence)
+
+    async def _decide_rounds(self) -> None:
+        """Watch every key, and write the round document whenever :func:`decide` changes it."""
+        mirror = Mirror()
+        records: dict[str, Record] = {}  # decoded once per revision of each key
+        last_call: tuple[int, float] | None = None  # (round, when its window ends)
+        async with anyio.create_task_group() as tg:
+            await tg.start(mirror.run, self._store)
+            while True:
+                revision = mirror.revision
+                values = mirror.values
+                for name in [n for n in records if _NODES + n not in values]:
+                    del records[name]
+                for key, kv in values.items():
+                    node = key.removeprefix(_NODES)
+                    if node != key and (
+                        node not in records or records[node].revision != kv.mod_revision
+                    ):
+                        records[node] = Record(_record_decoder.decode(kv.value), kv.mod_revision)
+                found = values.get(_STATE)
+                state = _state_decoder.decode(found.value) if found else RoundState()
+                counted = values.get(_RESTARTS)
+                restarts = _restarts_decoder.decode(counted.value).count if counted else 0
+                now = time.monotonic()
+                if state.complete or len(asking(state, records)) < self.min_nodes:
+                    last_call = None
+                elif last_call is None or last_call[0] != state.round:
+                    last_call = (state.round, now + self.last_call)
+                decided = decide(
+                    state,
+                    records,
+                    restarts,
+                    min_nodes=self.min_nodes,
+                    max_nodes=self.max_nodes,
+                    last_call_over=last_call is not None and now >= last_call[1],
+                )
+                if decided != state:
+                    # Written or not (a node closed the run meanwhile), the mirror
+                    # moves past ``revision`` before the next decision.
+                    await self._store.cas(
+                        _STATE, found.mod_revision if found else 0, _encoder.encode(decided)
+                    )
+                    await mirror.wait_past(revision)
+                    continue
+                wake = last_call[1] - now if last_call is not None else math.inf
+                with anyio.move_on_after(wake):
+                    await mirror.wait_past(revision)
 
     # -- rendezvous --------------------------------------------------------------
-
-    async def _read(self, deadline: float) -> tuple[_View, int]:
-        listing = await self._store.read_all(deadline=deadline)
-        return _view(listing.values), listing.revision
 
     async def next_rendezvous(self, master_port: int) -> RendezvousResult:
         """Take a place in the next round and wait until it completes.
@@ -385,116 +509,91 @@ class EtcdRendezvous:
         :class:`RendezvousTimeoutError`, :class:`RendezvousConnectionError`.
         """
         deadline = time.monotonic() + self.join_timeout
-        me = Member(node=self.node_id, addr=self.advertise_addr, port=master_port)
-        leaving = True
-        last_call: tuple[int, float] | None = None  # (round, when its window ends)
+        after = -1 if self._round is None else self._round
+        if self._state.closed:
+            raise self._closed()
+        self._record = msgspec.structs.replace(
+            self._record, port=master_port, asks_after=after, rank=self._rank, ended=False
+        )
+        await self._publish(deadline)
+        self._emit(
+            "join", f"{self.node_id} asks for a place in a round after {after}", NodeState.INIT
+        )
         while True:
-            view, revision = await self._read(deadline)
-            if self.node_id not in view.alive:
-                await self._register(deadline)
-                continue
-            now = time.monotonic()
-            over = (
-                last_call is not None and last_call[0] == view.state.round and now >= last_call[1]
-            )
-            try:
-                state = advance(
-                    view.state,
-                    me,
-                    view.alive,
-                    leaving=leaving,
-                    min_nodes=self.min_nodes,
-                    max_nodes=self.max_nodes,
-                    last_call_over=over,
-                )
-            except RendezvousClosedError:
-                self._emit("closed", "the rendezvous is closed", NodeState.RUNNING)
-                raise
-            if state != view.state:
-                encoded = _encoder.encode(state)
-                if await self._store.cas("state", view.state_revision, encoded, deadline=deadline):
-                    if leaving:
-                        self._emit_join(state)
-                    leaving = False
-                continue
-            leaving = False
-            position = where(state, self.node_id)
+            state = self._state
+            if state.closed:
+                raise self._closed()
+            position = where(state, self.node_id, after)
             if position == "running":
-                return self._ran(state, view)
-            if position == "joined" and len(state.participants) >= self.min_nodes:
-                if last_call is None or last_call[0] != state.round:
-                    last_call = (state.round, now + self.last_call)
-                wake = last_call[1]
-            else:
-                last_call, wake = None, math.inf
+                return self._ran(state)
+            now = time.monotonic()
             if now >= deadline:
-                raise self._timed_out(state)
-            with anyio.move_on_after(min(wake, deadline) - now):
-                await self._mirror.wait_past(revision)
+                raise await self._timed_out(state, position)
+            with anyio.move_on_after(deadline - now):
+                await self._news()
 
-    def _emit_join(self, state: RoundState) -> None:
-        if where(state, self.node_id) == "waiting":
-            message = f"{self.node_id} waits for round {state.round + 1}"
-        else:
-            message = f"{self.node_id} joined round {state.round}"
-        self._emit("join", message, NodeState.INIT)
+    def _closed(self) -> RendezvousClosedError:
+        self._emit("closed", "the rendezvous is closed", NodeState.RUNNING)
+        return RendezvousClosedError("the rendezvous is closed: the job has finished")
 
-    def _ran(self, state: RoundState, view: _View) -> RendezvousResult:
-        mine = next(m for m in state.participants if m.node == self.node_id)
-        assert mine.rank is not None
-        self._round = state.round
-        self._members = tuple(m.node for m in state.participants)
-        self._round_revision = view.state_revision
+    def _ran(self, state: RoundState) -> RendezvousResult:
+        rank = state.members.index(self.node_id)
+        self._round, self._members, self._rank = state.round, state.members, rank
         self._lost_self = False
         result = RendezvousResult(
             run_id=self.run_id,
             round=state.round,
-            group_rank=mine.rank,
-            group_world_size=state.world_size,
+            group_rank=rank,
+            group_world_size=len(state.members),
             master_addr=state.master_addr,
             master_port=state.master_port,
-            restart_count=view.restarts.count,
+            restart_count=state.restarts,
         )
         self._emit(
             "round_complete",
-            f"round {state.round} complete: rank {mine.rank} of {state.world_size}",
+            f"round {state.round} complete: rank {rank} of {len(state.members)}",
             NodeState.RUNNING,
-            rank=mine.rank,
+            rank=rank,
             master=f"{state.master_addr}:{state.master_port}",
         )
         return result
 
-    def _timed_out(self, state: RoundState) -> RendezvousTimeoutError:
-        names = ", ".join(m.node for m in state.participants) or "none"
-        if where(state, self.node_id) == "waiting":
+    async def _timed_out(self, state: RoundState, position: str) -> RendezvousTimeoutError:
+        if position == "waiting":
             message = (
                 f"rendezvous {self.run_id}: no place after {self.join_timeout:g}s; round "
-                f"{state.round} runs with {len(state.participants)} node(s) ({names}), "
-                f"max {self.max_nodes}"
+                f"{state.round} runs with {len(state.members)} node(s) "
+                f"({', '.join(state.members)}), max {self.max_nodes}"
             )
         else:
+            queue = await self._asking(state)
             message = (
-                f"rendezvous {self.run_id}: only {len(state.participants)} of at least "
-                f"{self.min_nodes} nodes joined round {state.round} within "
-                f"{self.join_timeout:g}s ({names})"
+                f"rendezvous {self.run_id}: only {len(queue)} of at least "
+                f"{self.min_nodes} nodes joined round {state.round + state.complete} within "
+                f"{self.join_timeout:g}s ({', '.join(queue) or 'none'})"
             )
         self._emit("timeout", message, NodeState.FAILED, error=message)
         return RendezvousTimeoutError(message)
 
-    # -- while the group runs ----------------------------------------------------
+    async def _records(self) -> dict[str, Record]:
+        """Every node's record, read once (for messages: decisions use the leader's watch)."""
+        listing = await self._store.read_all(_NODES, deadline=time.monotonic() + self.etcd_timeout)
+        return {
+            name.removeprefix(_NODES): Record(_record_decoder.decode(kv.value), kv.mod_revision)
+            for name, kv in listing.values.items()
+        }
 
-    def _current(self) -> _View | None:
-        """The mirror's view, once it has caught up with the round this node runs."""
-        if self._round is None or self._mirror.revision < self._round_revision:
-            return None
-        return _view(self._mirror.values)
+    async def _asking(self, state: RoundState) -> list[str]:
+        try:
+            return asking(state, await self._records())
+        except RendezvousConnectionError:
+            return []
+
+    # -- while the group runs ----------------------------------------------------
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for a place in a new round (a running node restarts for them)."""
-        view = self._current()
-        if view is None or self._round is None:
-            return 0
-        return waiting_count(view.state, self._round, self.max_nodes)
+        return 0 if self._round is None else waiting_count(self._state, self._round)
 
     async def wait_for_membership_change(self) -> Change:
         """Return why this node's round is over: ``waiting``, ``lost`` or ``closed``.
@@ -509,41 +608,26 @@ class EtcdRendezvous:
         if self._round is None:
             raise RuntimeError("wait_for_membership_change() before next_rendezvous()")
         while True:
-            view = self._current()
+            state = self._state
+            change: Change | None
             if self.fenced_since is not None:
-                change: Change | None = "fenced"
+                change = "fenced"
             elif self._lost_self:
                 change = "lost"
-            elif view is None:
-                change = None
             else:
-                change = membership(
-                    view.state, self._round, self._members, view.alive, self.max_nodes
-                )
+                change = membership(state, self._round, self._members, self._gone)
             if change is not None:
-                self._report(change, view)
+                self._report(change, state)
                 return change
             await self._news()
 
-    async def _news(self) -> None:
-        """The mirror moved on, or this node fenced itself (the mirror cannot move then)."""
-        async with anyio.create_task_group() as tg:
-
-            async def first(wait: Callable[[], Awaitable[object]]) -> None:
-                await wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(first, partial(self._mirror.wait_past, self._mirror.revision))
-            tg.start_soon(first, self._fenced.wait)
-
-    def _report(self, change: Change, view: _View | None) -> None:
+    def _report(self, change: Change, state: RoundState) -> None:
         match change:
             case "waiting":
-                count = len(view.state.waiting) if view is not None else 0
-                message = f"{count} node(s) waiting for a new round"
+                message = f"{state.waiting} node(s) waiting for a new round"
                 self._emit("nodes_waiting", message, NodeState.RUNNING)
             case "lost":
-                gone = [m for m in self._members if view is None or m not in view.alive]
+                gone = [m for m in self._members if m in self._gone]
                 message = (
                     f"lost {', '.join(gone)}" if gone else "this node's round went on without it"
                 )
@@ -557,19 +641,19 @@ class EtcdRendezvous:
         """Close the rendezvous: every node's next round attempt fails, running ones stop."""
         deadline = time.monotonic() + self.etcd_timeout
         while True:
-            view, _ = await self._read(deadline)
-            if view.state.closed:
+            found = await self._store.get(_STATE, deadline=deadline)
+            state = _state_decoder.decode(found.value) if found else RoundState()
+            if state.closed:
                 return
-            closed = msgspec.structs.replace(view.state, closed=True)
-            if await self._store.cas(
-                "state", view.state_revision, _encoder.encode(closed), deadline=deadline
-            ):
+            closed = _encoder.encode(msgspec.structs.replace(state, closed=True))
+            revision = found.mod_revision if found else 0
+            if await self._store.cas(_STATE, revision, closed, deadline=deadline):
                 self._emit("closed", f"{self.node_id} closed the rendezvous", NodeState.RUNNING)
                 return
 
     async def is_closed(self) -> bool:
-        view, _ = await self._read(time.monotonic() + self.etcd_timeout)
-        return view.state.closed
+        found = await self._store.get(_STATE, deadline=time.monotonic() + self.etcd_timeout)
+        return found is not None and _state_decoder.decode(found.value).closed
 
     async def add_restart(self) -> int:
         """Count the failure of this node's round, once for the whole job; the new total.
@@ -582,44 +666,52 @@ class EtcdRendezvous:
             raise RuntimeError("add_restart() before next_rendezvous()")
         deadline = time.monotonic() + self.etcd_timeout
         while True:
-            view, _ = await self._read(deadline)
-            counted = count_restart(view.restarts, self._round)
-            if counted == view.restarts:
+            found = await self._store.get(_RESTARTS, deadline=deadline)
+            counter = _restarts_decoder.decode(found.value) if found else RestartCount()
+            counted = count_restart(counter, self._round)
+            if counted == counter:
                 return counted.count
-            encoded = _encoder.encode(counted)
+            revision = found.mod_revision if found else 0
             if await self._store.cas(
-                "restarts", view.restarts_revision, encoded, deadline=deadline
+                _RESTARTS, revision, _encoder.encode(counted), deadline=deadline
             ):
                 return counted.count
 
     async def exit_barrier(self, outcome: NodeState = NodeState.SUCCEEDED) -> bool:
         """Record that this node's group ended, then wait for every member of its round.
 
-        A member counts once it recorded its end, or once its lease is gone.
+        A member counts once it recorded its end, or once its lease is gone;
+        the leader says when all did (``ended`` in the round document).
         True when all did within ``exit_barrier_timeout``; False (reported) otherwise.
         """
         if self._round is None:
             raise RuntimeError("exit_barrier() before next_rendezvous()")
         started = time.monotonic()
-        prefix = f"exit/{self._round}/"
-        pending: list[str] = list(self._members)
+        done = False
         with anyio.move_on_after(self.exit_barrier_timeout):
-            record = _encoder.encode(ExitRecord(state=outcome))
-            await self._store.put(prefix + self.node_id, record)
-            while True:
-                values = self._mirror.values
-                alive = {k.removeprefix(_NODES) for k in values if k.startswith(_NODES)}
-                pending = [m for m in self._members if prefix + m not in values and m in alive]
-                if not pending:
-                    break
-                await self._mirror.wait_past(self._mirror.revision)
+            self._record = msgspec.structs.replace(self._record, asks_after=None, ended=True)
+            await self._publish()
+            while not done:
+                state = self._state
+                done = state.round == self._round and state.ended
+                if not done:
+                    await self._news()
         waited = time.monotonic() - started
-        if pending:
+        if not done:
+            pending = await self._pending()
             message = f"exit barrier timed out after {waited:.1f}s waiting for {', '.join(pending)}"
             self._emit("exit_barrier", message, outcome, error=message)
             return False
         self._emit("exit_barrier", f"all {len(self._members)} nodes done in {waited:.1f}s", outcome)
         return True
+
+    async def _pending(self) -> list[str]:
+        """Members of this node's round alive and not ended (read once, for the message)."""
+        try:
+            records = await self._records()
+        except RendezvousConnectionError:
+            return list(self._members)
+        return [m for m in self._members if m in records and not records[m].value.ended]
 
     # -- events ------------------------------------------------------------------
 

@@ -8,9 +8,9 @@ time on a fresh channel, so gRPC's own reconnect backoff (which grows to
 minutes) never decides how soon a restarted etcd is used again. An outage is
 reported once when it starts and once when it ends, not on every retry.
 
-:class:`Mirror` keeps a local copy of every key under one prefix, current
-through a single watch: waiting code sleeps on its changes instead of
-polling. A broken watch stream is re-created from the last revision seen;
+:class:`Mirror` keeps a local copy of every key under one prefix (or of one
+key), current through a single watch: waiting code sleeps on its changes
+instead of polling. A broken watch stream is re-created from the last revision seen;
 if etcd compacted that history away, the mirror re-reads the prefix whole,
 so a change is never silently lost.
 """
@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import aetcd  # type: ignore[import-untyped]
+import aetcd.rtypes  # type: ignore[import-untyped]
 import anyio
 import anyio.abc
 from aetcd.exceptions import (  # type: ignore[import-untyped]
@@ -38,7 +39,15 @@ from aetcd.rpc import StatusCode  # type: ignore[import-untyped]
 
 from watchdogd.core.rdzv_state import RendezvousConnectionError
 
-__all__ = ["EtcdStore", "KeyValue", "Listing", "Mirror", "lease_not_found", "parse_endpoints"]
+__all__ = [
+    "EtcdStore",
+    "KeyValue",
+    "Listing",
+    "Mirror",
+    "RevisionCompactedError",
+    "lease_not_found",
+    "parse_endpoints",
+]
 
 log = logging.getLogger("watchdogd.etcd")
 
@@ -245,15 +254,22 @@ class EtcdStore:
 
     # -- operations --------------------------------------------------------------
 
-    async def read_all(self, *, deadline: float = math.inf) -> Listing:
-        """Every key under the prefix, read at one revision."""
-        found = await self.call(lambda c: c.get_prefix(self.prefix), deadline=deadline, what="read")
+    async def read_all(self, name: str = "", *, deadline: float = math.inf) -> Listing:
+        """Every key under the prefix (and under ``name`` in it), read at one revision."""
+        key = self.key(name)
+        found = await self.call(lambda c: c.get_prefix(key), deadline=deadline, what="read")
         skip = len(self.prefix)
         values = {kv.key[skip:].decode(): KeyValue(kv.value, kv.mod_revision) for kv in found}
         return Listing(found.header.revision, values)
 
     async def cas(
-        self, name: str, mod_revision: int, value: bytes, *, deadline: float = math.inf
+        self,
+        name: str,
+        mod_revision: int,
+        value: bytes,
+        *,
+        lease: int = 0,
+        deadline: float = math.inf,
     ) -> bool:
         """Write ``name`` if it is still at ``mod_revision`` (0: absent); True if written."""
         key = self.key(name)
@@ -261,18 +277,34 @@ class EtcdStore:
         async def swap(client: Any) -> bool:
             ok, _ = await client.transaction(
                 compare=[client.transactions.mod(key) == mod_revision],
-                success=[client.transactions.put(key, value)],
+                success=[client.transactions.put(key, value, lease=lease)],
                 failure=[],
             )
             return bool(ok)
 
         return await self.call(swap, deadline=deadline, what=f"update of {name}")
 
+    async def get(self, name: str, *, deadline: float = math.inf) -> KeyValue | None:
+        key = self.key(name)
+        found = await self.call(lambda c: c.get(key), deadline=deadline, what=f"read of {name}")
+        return None if found is None else KeyValue(found.value, found.mod_revision)
+
     async def put(
         self, name: str, value: bytes, *, lease: int = 0, deadline: float = math.inf
-    ) -> None:
+    ) -> int:
+        """Write ``name``; the revision of the write."""
         key = self.key(name)
-        await self.call(lambda c: c.put(key, value, lease=lease), deadline=deadline, what=name)
+
+        async def put(client: Any) -> int:
+            return int((await client.put(key, value, lease=lease)).header.revision)
+
+        return await self.call(put, deadline=deadline, what=name)
+
+    async def create(
+        self, name: str, value: bytes, *, lease: int, deadline: float = math.inf
+    ) -> bool:
+        """Write ``name`` on ``lease`` if it does not exist; True if written."""
+        return await self.cas(name, 0, value, lease=lease, deadline=deadline)
 
     async def grant(self, ttl: int, *, deadline: float = math.inf) -> tuple[int, float]:
         """A new lease, and when the attempt that got it was sent (monotonic): its TTL
@@ -306,24 +338,35 @@ class EtcdStore:
                 raise
 
     async def follow(
-        self, start_revision: int, apply: Callable[[str, bytes | None, int], None]
+        self,
+        start_revision: int,
+        apply: Callable[[str, bytes | None, int], None],
+        *,
+        name: str = "",
+        prefix: bool = True,
+        deletes_only: bool = False,
     ) -> NoReturn:
         """Call ``apply(name, value or None when deleted, revision)`` for every change, forever.
 
+        Watches the keys under ``name`` (the whole prefix by default), or the
+        key ``name`` alone; with ``deletes_only`` etcd sends deletions only.
         A stream that breaks (or ends) is re-created from the revision after
         the last one applied. Raises :class:`RevisionCompactedError` when etcd
         no longer has that history.
         """
         revision = start_revision - 1
         skip = len(self.prefix)
+        key = self.key(name)
+        kind = aetcd.rtypes.EventKind.DELETE if deletes_only else None
+        watch_call = "watch_prefix" if prefix else "watch"
         delay = _BACKOFF_MIN
         while True:
             channel = self._acquire()
             failure: Exception | None = None
             try:
                 with anyio.fail_after(self._call_timeout):
-                    watch = await channel.client.watch_prefix(
-                        self.prefix, start_revision=revision + 1
+                    watch = await getattr(channel.client, watch_call)(
+                        key, start_revision=revision + 1, kind=kind
                     )
                 self._recovered()
                 delay = _BACKOFF_MIN
@@ -352,9 +395,11 @@ class EtcdStore:
 
 
 class Mirror:
-    """Every key under the store's prefix, as of ``revision``, kept current by a watch."""
+    """Every key under the store's prefix (and ``name`` in it), as of ``revision``,
+    kept current by a watch."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        self.name = name
         self.values: dict[str, KeyValue] = {}
         self.revision = 0
         self._changed = anyio.Event()
@@ -379,14 +424,14 @@ class Mirror:
     ) -> NoReturn:
         """Read the prefix, report started, then follow it (re-reading it after a compaction)."""
         while True:
-            listing = await store.read_all()
+            listing = await store.read_all(self.name)
             self.values = listing.values
             self.revision = max(self.revision, listing.revision)
             self._notify()
             task_status.started()
             task_status = anyio.TASK_STATUS_IGNORED
             try:
-                await store.follow(listing.revision + 1, self._apply)
+                await store.follow(listing.revision + 1, self._apply, name=self.name)
             except RevisionCompactedError as e:
                 log.warning("etcd compacted the watched history (%s); re-reading", e)
 
