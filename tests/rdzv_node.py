@@ -40,7 +40,8 @@ async def node_loop(rdzv: EtcdRendezvous, report: Report) -> None:
         except RendezvousError as e:
             report({"what": "error", "error": type(e).__name__, "message": str(e)})
             return
-        report({"what": "round", **msgspec.structs.asdict(result), "t": time.monotonic()})
+        round_report = msgspec.structs.asdict(result)
+        report({"what": "round", **round_report, "leading": rdzv.leading, "t": time.monotonic()})
         change = await rdzv.wait_for_membership_change()
         report({"what": change, "waiting": rdzv.num_nodes_waiting(), "t": time.monotonic()})
         if change == "closed":

@@ -151,6 +151,8 @@ class RendezvousInfo(msgspec.Struct, kw_only=True):
     waiting: int = 0
     fenced_since: float | None = None
     """Wall-clock time this node fenced itself, cut off from the rendezvous (None: not)."""
+    leader: bool = False
+    """This node decides the job's rounds (etcd: it holds the ``leader`` key)."""
 
 
 class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

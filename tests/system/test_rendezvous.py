@@ -8,6 +8,7 @@ asserted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aetcd  # type: ignore[import-untyped]
 import anyio
 import anyio.abc
 import pytest
@@ -229,6 +231,47 @@ async def test_a_killed_node_is_noticed_and_the_others_regroup_without_it(
         f"\n[timing] node loss (lease TTL {TTL}s, last call {LAST_CALL}s): SIGKILL -> "
         f"survivors notice {noticed:.2f}s, survivors' round of 2 complete {regrouped:.2f}s"
     )
+
+
+async def test_when_the_leader_dies_another_node_decides_the_next_rounds(
+    etcd: EtcdServer,
+) -> None:
+    run = new_run()
+    async with (
+        node_process(etcd, run, "a", 2, 3) as (proc_a, a),
+        node_process(etcd, run, "b", 2, 3) as (proc_b, b),
+        node_process(etcd, run, "c", 2, 3) as (proc_c, c),
+    ):
+        nodes = {"a": (proc_a, a), "b": (proc_b, b), "c": (proc_c, c)}
+        first = {name: await reports.next("round") for name, (_, reports) in nodes.items()}
+        leaders = [name for name, report in first.items() if report["leading"]]
+        assert len(leaders) == 1  # exactly one node decides
+        nodes.pop(leaders[0])[0].kill()
+        for _, reports in nodes.values():
+            await reports.next("lost")
+        second = [await reports.next("round") for _, reports in nodes.values()]
+        assert [r["group_world_size"] for r in second] == [2, 2]
+        async with node_process(etcd, run, "d", 2, 3) as (_, d):  # decided by the new leader
+            third = [await reports.next("round") for _, reports in nodes.values()]
+            third.append(await d.next("round"))
+    assert [r["group_world_size"] for r in third] == [3, 3, 3]
+    assert len({r["round"] for r in third}) == 1 and third[0]["round"] > second[0]["round"]
+
+
+async def test_a_round_is_one_write_of_the_round_document_however_many_nodes_join(
+    etcd: EtcdServer,
+) -> None:
+    run = new_run()
+    nodes = [rendezvous(etcd, run, name, min_nodes=6, max_nodes=6) for name in "abcdef"]
+    async with contextlib.AsyncExitStack() as stack:
+        for node in nodes:
+            await stack.enter_async_context(node)
+        results = await form(*nodes)
+        assert sorted(r.group_rank for r in results) == list(range(6))
+        host, port = etcd.endpoint.rsplit(":", 1)
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            state = await client.get(f"/watchdogd/rdzv/{run}/state".encode())
+    assert state.version == 1  # written once by the leader: no compare-and-swap per node
 
 
 async def test_below_min_nodes_the_survivor_waits_then_fails_clearly(etcd: EtcdServer) -> None:

@@ -97,7 +97,9 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
             print(
                 f"rendezvous {group.name}: {rdzv.backend}, run {rdzv.run_id}, round {rdzv.round}, "
                 f"rank {rdzv.group_rank} of {rdzv.group_world_size} nodes, "
-                f"{rdzv.waiting} waiting" + _fenced(rdzv.fenced_since)
+                f"{rdzv.waiting} waiting"
+                + (", leads the rounds" if rdzv.leader else "")
+                + _fenced(rdzv.fenced_since)
             )
     print()
     if not gpus:

@@ -39,7 +39,7 @@ Rules
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Set
 from typing import Literal, NamedTuple
 
 import msgspec
@@ -56,6 +56,7 @@ __all__ = [
     "RoundState",
     "Where",
     "asking",
+    "asking_count",
     "count_restart",
     "decide",
     "membership",
@@ -133,29 +134,35 @@ Where = Literal["running", "waiting", "pending"]
 Change = Literal["waiting", "lost", "fenced", "closed"]
 
 
-def _running(state: RoundState, records: Mapping[str, Record]) -> list[str]:
+def _running(state: RoundState, records: Mapping[str, Record]) -> set[str]:
     """Members of the complete round still in it (alive, not ended, not asking again)."""
-    running = []
+    running = set()
     for node in state.members:
         record = records.get(node)
         if record is None or record.value.ended:
             continue
         asks = record.value.asks_after
         if asks is None or asks < state.round:
-            running.append(node)
+            running.add(node)
     return running
+
+
+def _asks(record: Record) -> bool:
+    return record.value.asks_after is not None and not record.value.ended
 
 
 def asking(state: RoundState, records: Mapping[str, Record]) -> list[str]:
     """The nodes asking for a place in a round after the one running, in rank order."""
-    running = set(_running(state, records)) if state.complete else set()
-    asked = [
-        (node, record)
-        for node, record in records.items()
-        if record.value.asks_after is not None and not record.value.ended and node not in running
-    ]
-    asked.sort(key=lambda item: _order(item[1]))
-    return [node for node, _ in asked]
+    running = _running(state, records) if state.complete else set()
+    asked = [node for node, record in records.items() if _asks(record) and node not in running]
+    asked.sort(key=lambda node: _order(records[node]))
+    return asked
+
+
+def asking_count(state: RoundState, records: Mapping[str, Record]) -> int:
+    """``len(asking(state, records))``, without the sort."""
+    running = _running(state, records) if state.complete else set()
+    return sum(1 for node, record in records.items() if _asks(record) and node not in running)
 
 
 def _order(record: Record) -> tuple[bool, int, int]:
@@ -190,17 +197,19 @@ def decide(
     """The document the leader should write (``state`` itself when nothing changes).
 
     ``records``: every live node's record; ``restarts``: the job's count now.
+    Linear in the number of nodes: the leader calls it after every batch of changes.
     """
     if state.complete:
         running = _running(state, records)
-        queue = asking(state, records)
         if running:
-            count = len(queue) if len(running) < max_nodes else 0
-            if state.closed or (count > 0) == (state.waiting > 0):
+            if state.closed:
+                return state
+            count = asking_count(state, records) if len(running) < max_nodes else 0
+            if (count > 0) == (state.waiting > 0):
                 return state
             return msgspec.structs.replace(state, waiting=count)
-        ended = any(node in records and records[node].value.ended for node in state.members)
-        if ended and not any(node in queue for node in state.members):
+        members = [records[node] for node in state.members if node in records]
+        if any(m.value.ended for m in members) and not any(_asks(m) for m in members):
             # Its nodes ended (or died) and none asks again: the exit barrier is over,
             # closed or not (a failed job closes the run, then waits at the barrier).
             return state if state.ended else msgspec.structs.replace(state, ended=True)
@@ -209,9 +218,9 @@ def decide(
         state = RoundState(round=state.round + 1)  # the next round opens
     if state.closed:
         return state
-    queue = asking(state, records)
-    if len(queue) >= max_nodes or (last_call_over and len(queue) >= min_nodes):
-        return _complete(state, queue[:max_nodes], records, restarts)
+    count = asking_count(state, records)
+    if count >= max_nodes or (last_call_over and count >= min_nodes):
+        return _complete(state, asking(state, records)[:max_nodes], records, restarts)
     return state
 
 
@@ -229,16 +238,14 @@ def waiting_count(state: RoundState, round: int) -> int:
     return state.waiting
 
 
-def membership(
-    state: RoundState, round: int, members: Iterable[str], gone: Iterable[str]
-) -> Change | None:
+def membership(state: RoundState, round: int, members: Set[str], gone: Set[str]) -> Change | None:
     """Why a node running ``round`` with ``members`` should stop, if it should.
 
     ``gone``: nodes whose key was deleted (dead, cut off, or left).
     """
     if state.closed:
         return "closed"
-    if state.round != round or not set(members).isdisjoint(gone):
+    if state.round != round or not members.isdisjoint(gone):
         return "lost"
     if waiting_count(state, round) > 0:
         return "waiting"

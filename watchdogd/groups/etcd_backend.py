@@ -136,4 +136,5 @@ class EtcdBackend:
             group_world_size=result.group_world_size if result else 0,
             waiting=self.rendezvous.num_nodes_waiting(),
             fenced_since=self.rendezvous.fenced_since,
+            leader=self.rendezvous.leading,
         )

@@ -88,6 +88,7 @@ from watchdogd.core.rdzv_state import (
     RestartCount,
     RoundState,
     asking,
+    asking_count,
     count_restart,
     decide,
     membership,
@@ -118,6 +119,7 @@ __all__ = [
 log = logging.getLogger("watchdogd.rendezvous")
 
 _REVOKE_TIMEOUT = 2.0
+_DECISION_BATCH = 0.01
 
 
 class RendezvousResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -241,6 +243,7 @@ class EtcdRendezvous:
         # The last round this node ran in: number, members, its rank.
         self._round: int | None = None
         self._members: tuple[str, ...] = ()
+        self._member_set: frozenset[str] = frozenset()
         self._rank: int | None = None
         self._lost_self = False
         # Self-fencing: the lease lives on etcd's clock from the moment etcd took a
@@ -420,6 +423,11 @@ class EtcdRendezvous:
 
     # -- the leader --------------------------------------------------------------
 
+    @property
+    def leading(self) -> bool:
+        """This node holds the ``leader`` key and decides the rounds (not while fenced)."""
+        return self._leading and self.fenced_since is None
+
     def _step_down(self) -> None:
         self._leading = False
         if self._lead_scope is not None:
@@ -453,27 +461,28 @@ class EtcdRendezvous:
     async def _decide_rounds(self) -> None:
         """Watch every key, and write the round document whenever :func:`decide` changes it."""
         mirror = Mirror()
-        records: dict[str, Record] = {}  # decoded once per revision of each key
+        records: dict[str, Record] = {}
         last_call: tuple[int, float] | None = None  # (round, when its window ends)
         async with anyio.create_task_group() as tg:
             await tg.start(mirror.run, self._store)
             while True:
                 revision = mirror.revision
-                values = mirror.values
-                for name in [n for n in records if _NODES + n not in values]:
-                    del records[name]
-                for key, kv in values.items():
-                    node = key.removeprefix(_NODES)
-                    if node != key and (
-                        node not in records or records[node].revision != kv.mod_revision
-                    ):
+                for name in mirror.changed:  # decoded once per change, not per decision
+                    node = name.removeprefix(_NODES)
+                    if node == name:
+                        continue
+                    kv = mirror.values.get(name)
+                    if kv is None:
+                        records.pop(node, None)
+                    else:
                         records[node] = Record(_record_decoder.decode(kv.value), kv.mod_revision)
-                found = values.get(_STATE)
+                mirror.changed.clear()
+                found = mirror.values.get(_STATE)
                 state = _state_decoder.decode(found.value) if found else RoundState()
-                counted = values.get(_RESTARTS)
+                counted = mirror.values.get(_RESTARTS)
                 restarts = _restarts_decoder.decode(counted.value).count if counted else 0
                 now = time.monotonic()
-                if state.complete or len(asking(state, records)) < self.min_nodes:
+                if state.complete or asking_count(state, records) < self.min_nodes:
                     last_call = None
                 elif last_call is None or last_call[0] != state.round:
                     last_call = (state.round, now + self.last_call)
@@ -496,6 +505,9 @@ class EtcdRendezvous:
                 wake = last_call[1] - now if last_call is not None else math.inf
                 with anyio.move_on_after(wake):
                     await mirror.wait_past(revision)
+                    # A burst of records (a thousand nodes asking at once) makes
+                    # one decision, not one each: every decision reads them all.
+                    await anyio.sleep(_DECISION_BATCH)
 
     # -- rendezvous --------------------------------------------------------------
 
@@ -539,6 +551,7 @@ class EtcdRendezvous:
     def _ran(self, state: RoundState) -> RendezvousResult:
         rank = state.members.index(self.node_id)
         self._round, self._members, self._rank = state.round, state.members, rank
+        self._member_set = frozenset(state.members)
         self._lost_self = False
         result = RendezvousResult(
             run_id=self.run_id,
@@ -615,7 +628,7 @@ class EtcdRendezvous:
             elif self._lost_self:
                 change = "lost"
             else:
-                change = membership(state, self._round, self._members, self._gone)
+                change = membership(state, self._round, self._member_set, self._gone)
             if change is not None:
                 self._report(change, state)
                 return change

@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
@@ -28,6 +29,8 @@ import aetcd  # type: ignore[import-untyped]
 import aetcd.rtypes  # type: ignore[import-untyped]
 import anyio
 import anyio.abc
+import grpc.aio  # type: ignore[import-untyped]
+from aetcd import rpc
 from aetcd.exceptions import (  # type: ignore[import-untyped]
     ClientError,
     ConnectionFailedError,
@@ -159,6 +162,7 @@ class EtcdStore:
         self._index = 0
         self._channel: _Channel | None = None
         self._down = False
+        self._lease_streams: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def key(self, name: str) -> bytes:
         return self.prefix + name.encode()
@@ -318,13 +322,31 @@ class EtcdStore:
 
     async def refresh(self, lease: int) -> tuple[int, float]:
         """Keep ``lease`` alive: its remaining TTL (0 when etcd no longer knows it), and
-        when the attempt that renewed it was sent (monotonic)."""
+        when the attempt that renewed it was sent (monotonic).
+
+        Renewals share one keep-alive stream per channel, as etcd's own client
+        does: opening a stream per renewal costs the client more than the
+        renewal itself, which counts with a thousand nodes on one machine.
+        """
 
         async def keep_alive(client: Any) -> tuple[int, float]:
-            sent = time.monotonic()
-            reply = await client.refresh_lease(lease)
-            if reply is None:
-                raise ConnectionFailedError("keep-alive stream closed without a reply")
+            stream = self._lease_streams.get(client)
+            if stream is None:
+                await client.connect()
+                stream = client.leasestub.LeaseKeepAlive(metadata=client.metadata)
+                self._lease_streams[client] = stream
+            try:
+                sent = time.monotonic()
+                await stream.write(rpc.LeaseKeepAliveRequest(ID=lease))
+                reply = await stream.read()
+                if reply is grpc.aio.EOF:
+                    raise ConnectionFailedError("keep-alive stream closed without a reply")
+            except BaseException as e:
+                del self._lease_streams[client]
+                stream.cancel()
+                if isinstance(e, grpc.aio.AioRpcError):
+                    raise ConnectionFailedError(e.details()) from e
+                raise
             return int(reply.TTL), sent
 
         return await self.call(keep_alive, what="lease keep-alive")
@@ -401,6 +423,8 @@ class Mirror:
     def __init__(self, name: str = "") -> None:
         self.name = name
         self.values: dict[str, KeyValue] = {}
+        self.changed: set[str] = set()
+        """Names changed (or deleted) since the reader last cleared this set."""
         self.revision = 0
         self._changed = anyio.Event()
 
@@ -413,6 +437,7 @@ class Mirror:
             self.values.pop(name, None)
         else:
             self.values[name] = KeyValue(value, revision)
+        self.changed.add(name)
         self.revision = max(self.revision, revision)
         self._notify()
 
@@ -425,6 +450,7 @@ class Mirror:
         """Read the prefix, report started, then follow it (re-reading it after a compaction)."""
         while True:
             listing = await store.read_all(self.name)
+            self.changed.update(self.values, listing.values)
             self.values = listing.values
             self.revision = max(self.revision, listing.revision)
             self._notify()
