@@ -110,7 +110,7 @@ def test_a_node_arriving_at_a_running_round_waits_and_the_runners_see_it() -> No
     state = job.decide()
     assert where(state, "c", -1) == "waiting"
     assert waiting_count(state, state.round) == 1
-    assert membership(state, state.round, {"a", "b"}, set()) == "waiting"
+    assert membership(state, state.round) == "waiting"
 
 
 def test_each_arrival_is_not_a_write_once_the_runners_were_told() -> None:
@@ -127,7 +127,7 @@ def test_spare_nodes_beyond_max_are_no_reason_to_restart() -> None:
     state = job.decide()
     assert where(state, "c", -1) == "waiting"
     assert waiting_count(state, state.round) == 0
-    assert membership(state, state.round, {"a", "b"}, set()) is None
+    assert membership(state, state.round) is None
 
 
 def test_the_next_round_opens_when_every_runner_came_back_and_keeps_their_ranks() -> None:
@@ -138,7 +138,7 @@ def test_the_next_round_opens_when_every_runner_came_back_and_keeps_their_ranks(
     job.ask("b", 2000)  # b restarts: it leaves its place
     state = job.decide()
     assert state.complete and state.round == first  # a still runs
-    assert membership(state, first, {"a", "b"}, set()) == "waiting"
+    assert membership(state, first) == "waiting"
     job.ask("a", 1000)  # the last runner comes back: the next round opens, full
     state = job.decide()
     assert state.round == first + 1 and state.complete
@@ -149,7 +149,9 @@ def test_the_next_round_opens_when_every_runner_came_back_and_keeps_their_ranks(
 def test_dead_nodes_are_dropped_and_the_survivors_keep_their_order() -> None:
     job = formed("a", "b", "c", max_nodes=3)
     job.die("a")
-    assert membership(job.state, job.state.round, {"a", "b", "c"}, {"a"}) == "lost"
+    state = job.decide()
+    assert state.lost == ("a",)  # the leader tells the members, once
+    assert membership(state, state.round) == "lost"
     job.ask("c")
     job.ask("b")
     state = job.decide()
@@ -157,6 +159,14 @@ def test_dead_nodes_are_dropped_and_the_survivors_keep_their_order() -> None:
     assert asking(state, job.records) == ["b", "c"]  # old rank order, not asking order
     state = job.decide(last_call_over=True)
     assert state.members == ("b", "c") and state.master_addr == "b.x"
+
+
+def test_a_second_death_in_a_failed_round_is_not_another_write() -> None:
+    job = formed("a", "b", "c", "d", max_nodes=4)
+    job.die("a")
+    failed = job.decide()
+    job.die("b")
+    assert job.decide() is failed  # every member already stops: nothing new to tell
 
 
 def test_a_complete_round_whose_nodes_all_died_gives_way_to_a_newcomer() -> None:
@@ -214,13 +224,13 @@ def test_the_job_restart_count_is_in_the_completed_round() -> None:
 def test_a_round_that_moved_on_means_this_node_was_dropped() -> None:
     state = formed("a", "b").state
     later = RoundState(round=state.round + 1, complete=True, members=("b",))
-    assert membership(later, state.round, {"a", "b"}, set()) == "lost"
+    assert membership(later, state.round) == "lost"
 
 
 def test_a_closed_run_stops_running_nodes_and_the_leader_decides_nothing_more() -> None:
     job = formed("a", "b")
     job.state = msgspec.structs.replace(job.state, closed=True)
-    assert membership(job.state, job.state.round, {"a"}, set()) == "closed"
+    assert membership(job.state, job.state.round) == "closed"
     job.ask("a")
     job.ask("b")
     assert job.decide() == job.state  # no next round once closed

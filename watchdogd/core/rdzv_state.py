@@ -17,6 +17,9 @@ Rules
 - A complete round runs while some member is *running*: alive, not ended,
   and asking for nothing newer than it. A member that asks again is
   restarting; newcomers asking while it runs are *waiting*.
+- A member whose key is gone fails the running round: the leader names it
+  in ``lost`` (once), and every member stops; nobody else watches the
+  others' keys.
 - ``waiting`` in the document (torch's ``num_nodes_waiting``) is the number
   of waiting nodes a new round would take: 0 while the round is full (the
   extra nodes are spares, no reason to restart), else every asking node.
@@ -39,7 +42,7 @@ Rules
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
 import msgspec
@@ -117,6 +120,9 @@ class RoundState(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     restarts: int = 0
     """The job's restart count when the round completed."""
     waiting: int = 0
+    lost: tuple[str, ...] = ()
+    """Members of the running round whose key is gone (dead, cut off, or left):
+    the round has failed. Written once, when the first is seen."""
     ended: bool = False
     """Every member ended or died: the exit barrier of this round is over."""
     closed: bool = False
@@ -205,9 +211,10 @@ def decide(
             if state.closed:
                 return state
             count = asking_count(state, records) if len(running) < max_nodes else 0
-            if (count > 0) == (state.waiting > 0):
+            lost = state.lost or tuple(node for node in state.members if node not in records)
+            if (count > 0) == (state.waiting > 0) and lost == state.lost:
                 return state
-            return msgspec.structs.replace(state, waiting=count)
+            return msgspec.structs.replace(state, waiting=count, lost=lost)
         members = [records[node] for node in state.members if node in records]
         if any(m.value.ended for m in members) and not any(_asks(m) for m in members):
             # Its nodes ended (or died) and none asks again: the exit barrier is over,
@@ -238,14 +245,11 @@ def waiting_count(state: RoundState, round: int) -> int:
     return state.waiting
 
 
-def membership(state: RoundState, round: int, members: Set[str], gone: Set[str]) -> Change | None:
-    """Why a node running ``round`` with ``members`` should stop, if it should.
-
-    ``gone``: nodes whose key was deleted (dead, cut off, or left).
-    """
+def membership(state: RoundState, round: int) -> Change | None:
+    """Why a node running ``round`` should stop, if it should."""
     if state.closed:
         return "closed"
-    if state.round != round or not members.isdisjoint(gone):
+    if state.round != round or state.lost:
         return "lost"
     if waiting_count(state, round) > 0:
         return "waiting"

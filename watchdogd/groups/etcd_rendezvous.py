@@ -10,14 +10,18 @@ live under ``/watchdogd/rdzv/<run id>/``:
   (:class:`~watchdogd.core.rdzv_state.NodeRecord`); when a node dies or is
   cut off, etcd deletes it after the TTL;
 - ``leader``: the node that decides the rounds, on its lease (the first to
-  create the key; when its lease ends, the others race to create it again);
+  create the key; when its lease ends, the members of the last round try
+  in rank order, 10 ms apart, and the first one takes it);
 - ``state``: the round document (:class:`~watchdogd.core.rdzv_state.RoundState`),
   written by the leader by compare-and-swap; the rules are in
   :mod:`watchdogd.core.rdzv_state`;
 - ``restarts``: the job's restart count, one per failed round.
 
-Each node watches the ``state`` key and the deletions under the prefix, and
-nothing else; only the leader watches every key. So a round costs one write
+Each node watches two keys, ``state`` and ``leader``,
+and nothing else; only the leader watches every key, and tells the others
+of a lost member through the document. (A watch of the whole prefix on
+every node, even for deletions only, would make etcd match each of a
+thousand nodes' writes against a thousand watchers.) So a round costs one write
 per node (its record) plus a few writes of the document, each pushed once to
 every node, and the steady state is lease keep-alives only: no node reads
 in a loop or contends for a key.
@@ -99,7 +103,6 @@ from watchdogd.core.workerenv import Placement
 from watchdogd.groups.etcd_store import (
     EtcdStore,
     Mirror,
-    RevisionCompactedError,
     lease_not_found,
     parse_endpoints,
 )
@@ -120,6 +123,8 @@ log = logging.getLogger("watchdogd.rendezvous")
 
 _REVOKE_TIMEOUT = 2.0
 _DECISION_BATCH = 0.01
+_SUCCESSION_STEP = 0.01
+_SUCCESSION_RANKS = 100
 
 
 class RendezvousResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -229,21 +234,16 @@ class EtcdRendezvous:
         self._register_lock = anyio.Lock()
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
-        # What this node watches: the round document, and the nodes whose key
-        # was deleted (ids are never reused, so the set only grows by deaths).
+        # What this node watches: the round document (and the leader key's end).
         self._state_mirror = Mirror(_STATE)
         self._state = RoundState()
-        self._gone: set[str] = set()
         self._changed = anyio.Event()
-        # Leadership: this node holds the ``leader`` key; ``_leader_free`` wakes
-        # a node that lost the race when the key is deleted.
-        self._leading = False
-        self._leader_free = anyio.Event()
+        # Leadership: whoever the ``leader`` key names, watched by every node.
+        self._leader_mirror = Mirror(_LEADER)
         self._lead_scope: anyio.CancelScope | None = None
         # The last round this node ran in: number, members, its rank.
         self._round: int | None = None
         self._members: tuple[str, ...] = ()
-        self._member_set: frozenset[str] = frozenset()
         self._rank: int | None = None
         self._lost_self = False
         # Self-fencing: the lease lives on etcd's clock from the moment etcd took a
@@ -268,11 +268,11 @@ class EtcdRendezvous:
         """Register this node (a leased key), start the watches, the keep-alive, the lead."""
         async with AsyncExitStack() as stack:
             stack.push_async_callback(self._store.aclose)
-            registered = await self._publish(time.monotonic() + self.etcd_timeout, fresh=True)
+            await self._publish(time.monotonic() + self.etcd_timeout, fresh=True)
             stack.push_async_callback(self._revoke)
             self._task_group = await stack.enter_async_context(anyio.create_task_group())
             await self._task_group.start(self._follow_state)
-            self._task_group.start_soon(self._follow_deletions, registered + 1)
+            await self._task_group.start(self._leader_mirror.run, self._store)
             self._task_group.start_soon(self._keep_alive)
             self._task_group.start_soon(self._fence_when_unrenewed)
             self._task_group.start_soon(self._lead)
@@ -290,9 +290,9 @@ class EtcdRendezvous:
         self._task_group.cancel_scope.cancel()
         await self._stack.__aexit__(exc_type, exc, tb)
 
-    async def _publish(self, deadline: float = math.inf, *, fresh: bool = False) -> int:
+    async def _publish(self, deadline: float = math.inf, *, fresh: bool = False) -> None:
         """Write this node's record; ``fresh``: on a new lease, under a new id (at start,
-        and after the lease was lost). The revision of the write."""
+        and after the lease was lost)."""
         async with self._register_lock:
             while True:
                 lease, node_id, sent = self._lease, self.node_id, 0.0
@@ -301,9 +301,7 @@ class EtcdRendezvous:
                     node_id = self._new_id()
                 record = _encoder.encode(self._record)
                 try:
-                    revision = await self._store.put(
-                        _NODES + node_id, record, lease=lease, deadline=deadline
-                    )
+                    await self._store.put(_NODES + node_id, record, lease=lease, deadline=deadline)
                 except Exception as e:
                     if lease_not_found(e):
                         fresh = True  # it expired (before the key was on it, or while cut off)
@@ -311,9 +309,8 @@ class EtcdRendezvous:
                     raise
                 if fresh:
                     self._lease, self.node_id = lease, node_id
-                    self._leader_free.set()  # a new lease may claim the lead
                     self._renewed(sent)
-                return revision
+                return
 
     async def _revoke(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -382,7 +379,7 @@ class EtcdRendezvous:
         self._changed = anyio.Event()
 
     async def _news(self) -> None:
-        """Return once the round document, a deletion, or this node's fence changed."""
+        """Return once the round document or this node's fence changed."""
         await self._changed.wait()
 
     async def _follow_state(
@@ -398,65 +395,54 @@ class EtcdRendezvous:
                 self._notify()
                 await self._state_mirror.wait_past(revision)
 
-    async def _follow_deletions(self, start_revision: int) -> None:
-        """Note every node whose key is deleted; on the leader's, race for the lead."""
-        while True:
-            try:
-                await self._store.follow(start_revision, self._deleted, deletes_only=True)
-            except RevisionCompactedError as e:
-                # Deletions were missed: the members of this node's round that are
-                # no longer registered are the ones.
-                log.warning("etcd compacted the watched history (%s); re-reading", e)
-                listing = await self._store.read_all(_NODES)
-                alive = {name.removeprefix(_NODES) for name in listing.values}
-                self._gone.update(m for m in self._members if m not in alive)
-                self._leader_free.set()
-                self._notify()
-                start_revision = listing.revision + 1
-
-    def _deleted(self, name: str, value: bytes | None, revision: int) -> None:
-        if name.startswith(_NODES):
-            self._gone.add(name.removeprefix(_NODES))
-            self._notify()
-        elif name == _LEADER:
-            self._leader_free.set()
-
     # -- the leader --------------------------------------------------------------
 
     @property
     def leading(self) -> bool:
         """This node holds the ``leader`` key and decides the rounds (not while fenced)."""
-        return self._leading and self.fenced_since is None
+        holder = self._leader_mirror.values.get(_LEADER)
+        mine = holder is not None and holder.value == self.node_id.encode()
+        return mine and self.fenced_since is None
 
     def _step_down(self) -> None:
-        self._leading = False
         if self._lead_scope is not None:
             self._lead_scope.cancel()
 
+    def _succession_delay(self) -> float:
+        """How long this node lets others take a free lead before it tries.
+
+        The members of the last round try in rank order, a step apart, so
+        that one node takes the lead, not a thousand at once; the others
+        see it taken and never ask. A node in no round yet tries at once.
+        """
+        if self._round is None:
+            return 0.0
+        rank = self._rank if self._rank is not None else _SUCCESSION_RANKS
+        return _SUCCESSION_STEP * min(rank, _SUCCESSION_RANKS)
+
     async def _lead(self) -> None:
-        """Race for the ``leader`` key whenever it is free; decide the rounds while held."""
+        """Take the ``leader`` key whenever it is free; decide the rounds while it is ours."""
+        leader = self._leader_mirror
         while True:
+            revision = leader.revision
             if self.fenced_since is not None:
                 await self._renewal.wait()
-                continue
-            if not self._leading:
-                self._leader_free = anyio.Event()
-                self._leading = await self._claim()
-                if not self._leading:
-                    await self._leader_free.wait()
-                    continue
-            with anyio.CancelScope() as self._lead_scope:
-                log.info("%s leads rendezvous %s", self.node_id, self.run_id)
-                await self._decide_rounds()
-            self._lead_scope = None
-
-    async def _claim(self) -> bool:
-        """Create the ``leader`` key on this node's lease; True if this node holds it."""
-        mine = self.node_id.encode()
-        if await self._store.create(_LEADER, mine, lease=self._lease):
-            return True
-        held = await self._store.get(_LEADER)
-        return held is not None and held.value == mine  # still ours (after a fence)
+            elif self.leading:
+                with anyio.CancelScope() as self._lead_scope:  # cancelled by a fence
+                    log.info("%s leads rendezvous %s", self.node_id, self.run_id)
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._decide_rounds)
+                        await leader.wait_past(revision)  # the key changed: look again
+                        tg.cancel_scope.cancel()
+                self._lead_scope = None
+            elif _LEADER in leader.values:
+                await leader.wait_past(revision)
+            else:
+                with anyio.move_on_after(self._succession_delay()):
+                    await leader.wait_past(revision)
+                if _LEADER not in leader.values:
+                    await self._store.create(_LEADER, self.node_id.encode(), lease=self._lease)
+                    await leader.wait_past(revision)  # ours or another's: the watch says
 
     async def _decide_rounds(self) -> None:
         """Watch every key, and write the round document whenever :func:`decide` changes it."""
@@ -551,7 +537,6 @@ class EtcdRendezvous:
     def _ran(self, state: RoundState) -> RendezvousResult:
         rank = state.members.index(self.node_id)
         self._round, self._members, self._rank = state.round, state.members, rank
-        self._member_set = frozenset(state.members)
         self._lost_self = False
         result = RendezvousResult(
             run_id=self.run_id,
@@ -628,7 +613,7 @@ class EtcdRendezvous:
             elif self._lost_self:
                 change = "lost"
             else:
-                change = membership(state, self._round, self._member_set, self._gone)
+                change = membership(state, self._round)
             if change is not None:
                 self._report(change, state)
                 return change
@@ -640,9 +625,10 @@ class EtcdRendezvous:
                 message = f"{state.waiting} node(s) waiting for a new round"
                 self._emit("nodes_waiting", message, NodeState.RUNNING)
             case "lost":
-                gone = [m for m in self._members if m in self._gone]
                 message = (
-                    f"lost {', '.join(gone)}" if gone else "this node's round went on without it"
+                    f"lost {', '.join(state.lost)}"
+                    if state.lost
+                    else "this node's round went on without it"
                 )
                 self._emit("node_lost", message, NodeState.FAILED)
             case "closed":

@@ -47,7 +47,6 @@ __all__ = [
     "KeyValue",
     "Listing",
     "Mirror",
-    "RevisionCompactedError",
     "lease_not_found",
     "parse_endpoints",
 ]
