@@ -9,15 +9,26 @@ has processed everything sent so far.
 The client remembers the scopes it holds. When the daemon goes away (it was
 restarted, or upgraded), the next call reconnects and re-arms them before
 sending its own request; a deadline that passed meanwhile fires at once.
+
+Stack dumps: the client registers :mod:`faulthandler` on its stack signal,
+writing into a file the daemon handed over. Connected from the main thread,
+it also installs a Python handler for that signal, which faulthandler
+chains to once its dump is written: the handler appends
+:data:`~watchdogd_client.protocol.DUMP_MARKER`, and the daemon signals the
+process as soon as it reads it. A main thread stuck in C code runs no Python
+handler; the daemon then waits until the file stops growing, as it does
+for clients that write no marker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import select
 import signal as _signal
 import socket
+import threading
 import time
 import weakref
 from collections import deque
@@ -40,6 +51,24 @@ _R = TypeVar("_R", bound=p.Reply)
 _encoder = msgspec.msgpack.Encoder()
 _reply_decoder = msgspec.msgpack.Decoder(p.Reply)
 _live_clients: weakref.WeakSet[SocketTimerClient] = weakref.WeakSet()
+# stack signal -> the faulthandler file its dump marker goes to (the last one registered).
+_marker_fds: dict[int, int] = {}
+
+
+def _write_dump_marker(signum: int, frame: object) -> None:
+    """Chained to by faulthandler's handler, so it runs once the dump is written."""
+    fd = _marker_fds.get(signum, -1)
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.write(fd, p.DUMP_MARKER)
+
+
+def _can_mark(signum: int) -> bool:
+    """Whether this thread can have a dump marker written after faulthandler's output."""
+    return (
+        _signal.getsignal(signum) is _write_dump_marker
+        or threading.current_thread() is threading.main_thread()
+    )
 
 
 class SocketTimerClient(TimerClient):
@@ -272,7 +301,8 @@ class SocketTimerClient(TimerClient):
         self._frames.clear()
         self._next_seq = 1
         stack_signal = self._free_stack_signal()
-        hello = p.Hello(p.PROTOCOL_VERSION, self.name, stack_signal)
+        marker = stack_signal is not None and _can_mark(stack_signal)
+        hello = p.Hello(p.PROTOCOL_VERSION, self.name, stack_signal, marker)
         try:
             sock.sendall(frame(_encoder.encode(hello)))
             fds = self._recv_welcome(sock)
@@ -289,7 +319,7 @@ class SocketTimerClient(TimerClient):
             raise ProtocolError(f"daemon at {self.path} answered hello with {welcome!r}")
         self.welcome = welcome
         if stack_signal is not None and welcome.stack_dumps and fds:
-            self._register_faulthandler(stack_signal, fds.pop(0))
+            self._register_faulthandler(stack_signal, fds.pop(0), marker)
         for fd in fds:
             os.close(fd)
         for scope_id, (expiration_time, signal) in self._held.items():
@@ -302,7 +332,8 @@ class SocketTimerClient(TimerClient):
         """The stack signal, if nobody else handles it (or we registered it ourselves)."""
         if self.stack_signal is None:
             return None
-        if self._stack_fd < 0 and _signal.getsignal(self.stack_signal) is not _signal.SIG_DFL:
+        handler = _signal.getsignal(self.stack_signal)
+        if self._stack_fd < 0 and handler not in (_signal.SIG_DFL, _write_dump_marker):
             return None
         return self.stack_signal
 
@@ -317,8 +348,15 @@ class SocketTimerClient(TimerClient):
         self._received(data)
         return list(fds)
 
-    def _register_faulthandler(self, signal: int, fd: int) -> None:
-        faulthandler.register(signal, file=fd, all_threads=True, chain=False)
+    def _register_faulthandler(self, signal: int, fd: int, marker: bool) -> None:
+        if marker:
+            _marker_fds[signal] = fd
+            if _signal.getsignal(signal) is not _write_dump_marker:
+                # faulthandler chains to the handler it found when first registered:
+                # ours must be there first (a registration without it is redone).
+                faulthandler.unregister(signal)
+                _signal.signal(signal, _write_dump_marker)
+        faulthandler.register(signal, file=fd, all_threads=True, chain=marker)
         if self._stack_fd >= 0:
             os.close(self._stack_fd)  # the previous daemon's file
         self._stack_fd = fd
@@ -380,6 +418,10 @@ def _forget_connections_after_fork() -> None:
     for client in list(_live_clients):
         if client._stack_fd >= 0 and client.stack_signal is not None:
             faulthandler.unregister(client.stack_signal)
+            if _signal.getsignal(client.stack_signal) is _write_dump_marker:
+                with contextlib.suppress(ValueError):
+                    _signal.signal(client.stack_signal, _signal.SIG_DFL)
+            _marker_fds.pop(client.stack_signal, None)
             os.close(client._stack_fd)
             client._stack_fd = -1
         if client._sock is not None:

@@ -36,6 +36,7 @@ from .framing import HEADER_SIZE, frame
 from .groups import GroupInfo, GroupSpec
 
 __all__ = [
+    "DUMP_MARKER",
     "ERROR_CODES",
     "FRAME_HEADER_SIZE",
     "MAX_FRAME_SIZE",
@@ -85,6 +86,10 @@ FRAME_HEADER_SIZE: Final = HEADER_SIZE
 # Large enough for a status or a list of thousands of timers in a reply;
 # requests are tiny, and the daemon enforces its own (smaller) request cap.
 MAX_FRAME_SIZE: Final = 64 * 1024 * 1024
+# What a client's handler appends to its faulthandler file once faulthandler's
+# dump is written (``Hello.dump_marker``). faulthandler escapes every control
+# character it prints, so NUL bytes never occur in a dump.
+DUMP_MARKER: Final = b"\x00watchdogd: end of dump\x00\n"
 
 ErrorCode = Literal[
     "bad_frame",
@@ -137,11 +142,15 @@ class Hello(msgspec.Struct, tag="hello", tag_field="op"):
     ``stack_signal``: the client will register :mod:`faulthandler` on this
     signal; the daemon answers with a descriptor (``SCM_RIGHTS``) of a file
     it names for the client's pid, to write the dump into.
+    ``dump_marker``: after faulthandler's output, the client writes
+    :data:`DUMP_MARKER` into that file, so the daemon need not wait for the
+    file to stop growing to know that the dump is complete.
     """
 
     version: int = PROTOCOL_VERSION
     client: str = ""
     stack_signal: int | None = None
+    dump_marker: bool = False
 
 
 class Acquire(msgspec.Struct, tag="acquire", tag_field="op"):

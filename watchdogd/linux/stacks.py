@@ -7,14 +7,18 @@ never delays another expiry:
     The client registers :func:`faulthandler.register` on a signal (default
     SIGUSR2), writing into a file the daemon opened for that pid and passed
     over the socket (``SCM_RIGHTS``). To capture, the daemon sends the signal
-    and reads what was appended. Works for any user, needs no privilege.
+    and reads what was appended, up to the client's end-of-dump marker (or,
+    without one, until the file stops growing). Works for any user, needs no
+    privilege.
 ``py-spy``
     ``py-spy dump --pid PID`` when installed and permitted (root, or
     ``CAP_SYS_PTRACE``). Works on processes that registered nothing, even
     ones stuck in C code.
 
 Each dump is a text file under ``<state dir>/dumps/`` whose first line is a
-header naming the pid, scope and method; the newest ``keep`` are kept. The
+header naming the pid, scope and method; the newest ``keep`` are kept
+(:meth:`StackStore.prune`, apart from the save: a kill waits for the save
+only). The
 NCCL flight-recorder traces of the hung process's group, when its ranks
 record them (:mod:`watchdogd.linux.flight_recorder`), are kept beside it
 as they were written, ``<id>.rank<N>.trace``, and listed in its header.
@@ -33,14 +37,16 @@ import anyio
 import msgspec
 
 from watchdogd.linux.procs import ProcessHandle
-from watchdogd_client.protocol import DumpInfo, TraceInfo
+from watchdogd_client.protocol import DUMP_MARKER, DumpInfo, TraceInfo
 
-__all__ = ["DumpInfo", "StackStore", "TraceInfo", "capture_faulthandler", "capture_pyspy"]
+__all__ = ["DumpInfo", "FaulthandlerCaptures", "StackStore", "TraceInfo", "capture_pyspy"]
 
 _HEADER = "# watchdogd stack dump "
-_POLL = 0.002
+# How often pending captures are checked (the loop's timers have a 1 ms grain).
+_TICK = 0.001
 # faulthandler writes the whole dump from its signal handler at once; a file
-# that stopped growing for this long holds all of it.
+# that stopped growing for this long holds all of it (the bound for clients
+# that write no marker).
 _QUIET = 0.008
 
 
@@ -88,7 +94,6 @@ class StackStore:
                 self._trace_path(info.id, trace.rank).write_bytes(data)
         header = _HEADER + msgspec.json.encode(info).decode()
         (self.directory / f"{info.id}.txt").write_text(f"{header}\n{text}")
-        self._prune()
         return info
 
     def _trace_path(self, dump_id: str, rank: int) -> Path:
@@ -131,7 +136,8 @@ class StackStore:
         with contextlib.suppress(FileNotFoundError):
             self.live_path(pid, start_time).unlink()
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
+        """Remove all but the newest ``keep`` dumps (reads every header: not before a kill)."""
         dumps = self.list()
         for old in dumps[: max(0, len(dumps) - self.keep)]:
             paths = [self._trace_path(old.id, t.rank) for t in old.traces if t.size]
@@ -140,32 +146,114 @@ class StackStore:
                     path.unlink()
 
 
-async def capture_faulthandler(handle: ProcessHandle, path: Path, signal: int) -> str | None:
-    """Signal the process to dump into ``path``; what it appended, or None.
+class FaulthandlerCaptures:
+    """Every faulthandler capture in flight, watched together by one task.
 
-    The dump is complete once the file stops growing. Cancelled (the
-    caller's time bound), it returns nothing: run it under ``move_on_after``
-    and fall back to another method.
+    A capture signals the process and waits until its dump is complete:
+    when the client's marker (:data:`DUMP_MARKER`) follows it, at once;
+    otherwise (a client that writes none, a main thread stuck in C code that
+    runs no Python handler) once the file has stopped growing for
+    ``quiet`` seconds. One task checks every pending file each ``tick``,
+    however many captures run at the same time: each costs an ``fstat`` per
+    tick, and a capture that never completes costs the others nothing.
+    :meth:`run` must be running (in the daemon's task group) for captures
+    to complete.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        offset = os.fstat(fd).st_size
+
+    def __init__(self, tick: float = _TICK, quiet: float = _QUIET) -> None:
+        self.tick = tick
+        self.quiet = quiet
+        self._pending: set[_Capture] = set()
+        self._work = anyio.Event()
+
+    async def capture(
+        self, handle: ProcessHandle, path: Path, signal: int, marker: bool
+    ) -> str | None:
+        """Signal the process to dump into ``path``; what it appended, or None.
+
+        ``marker``: the client writes :data:`DUMP_MARKER` after the dump.
+        Cancelled (the caller's time bound), it returns nothing: run it under
+        ``move_on_after`` and fall back to another method.
+        """
         try:
-            handle.send_signal(signal)
-        except ProcessLookupError:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
             return None
-        size, stable_since = offset, time.monotonic()
-        while size == offset or time.monotonic() - stable_since < _QUIET:
-            await anyio.sleep(_POLL)
-            current = os.fstat(fd).st_size
-            if current != size:
-                size, stable_since = current, time.monotonic()
-        return os.pread(fd, size - offset, offset).decode(errors="replace")
-    finally:
-        os.close(fd)
+        try:
+            offset = os.fstat(fd).st_size
+            try:
+                handle.send_signal(signal)
+            except ProcessLookupError:
+                return None
+            pending = _Capture(fd, offset, marker, time.monotonic())
+            self._pending.add(pending)
+            self._work.set()
+            try:
+                await pending.done.wait()
+            finally:
+                self._pending.discard(pending)
+            return pending.text
+        finally:
+            os.close(fd)
+
+    async def run(self) -> None:
+        while True:
+            if not self._pending:
+                self._work = anyio.Event()
+                await self._work.wait()
+            await anyio.sleep(self.tick)
+            now = time.monotonic()
+            for pending in list(self._pending):
+                if pending.check(now, self.quiet):
+                    self._pending.discard(pending)
+                    pending.done.set()
+
+
+class _Capture:
+    """One dump being written: where it starts, how far it was read, when it last grew."""
+
+    __slots__ = ("done", "fd", "grew", "marker", "offset", "scanned", "size", "text")
+
+    def __init__(self, fd: int, offset: int, marker: bool, now: float) -> None:
+        self.fd = fd
+        self.offset = offset  # where this dump starts
+        self.marker = marker
+        self.size = offset
+        self.scanned = offset  # no marker starts before this
+        self.grew = now
+        self.text: str | None = None
+        self.done = anyio.Event()
+
+    def check(self, now: float, quiet: float) -> bool:
+        """Whether the dump is complete (then ``text`` holds it)."""
+        size = os.fstat(self.fd).st_size
+        if size != self.size:
+            self.size, self.grew = size, now
+            if self.marker and self._find_marker():
+                return True
+        if size > self.offset and now - self.grew >= quiet:
+            self._take(size)
+            return True
+        return False
+
+    def _find_marker(self) -> bool:
+        data = os.pread(self.fd, self.size - self.scanned, self.scanned)
+        start = 0
+        while (found := data.find(DUMP_MARKER, start)) >= 0:
+            end = self.scanned + found
+            if end > self.offset:
+                self._take(end)
+                return True
+            # A marker with no dump before it answers an earlier signal (its
+            # dump came before our offset): ours starts after it.
+            start = found + len(DUMP_MARKER)
+            self.offset = self.scanned + start
+        self.scanned = max(self.offset, self.size - len(DUMP_MARKER) + 1)
+        return False
+
+    def _take(self, end: int) -> None:
+        data = os.pread(self.fd, end - self.offset, self.offset)
+        self.text = data.replace(DUMP_MARKER, b"").decode(errors="replace")
 
 
 async def capture_pyspy(pid: int) -> str | None:

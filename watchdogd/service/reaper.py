@@ -11,9 +11,12 @@ Rules
 - With stack dumps on, the hung process's Python stacks are captured and
   saved first (faulthandler if its client registered it, else py-spy),
   both together bounded by ``stack_dump_timeout``. Captures run as their
-  own tasks: a slow one never delays another expiry. Dump files are
-  written, and a client's faulthandler file removed when it exits, by
-  worker threads, bounded too: a hung disk never holds the loop.
+  own tasks: a slow one never delays another expiry. A faulthandler dump
+  is complete at the client's end-of-dump marker, or, from a client that
+  writes none, once its file stopped growing. Dump files are written, and
+  a client's faulthandler file removed when it exits, by worker threads,
+  bounded too: a hung disk never holds the loop. Old dumps are pruned
+  after the signal, never before it.
 - When the process is a worker whose group runs torch's NCCL flight
   recorder, every rank of that group on this node is made to dump its
   trace at the same time (a thread per rank polls for it), and the traces
@@ -44,9 +47,9 @@ from watchdogd.linux import flight_recorder
 from watchdogd.linux.procs import ProcessHandle, read_stat
 from watchdogd.linux.stacks import (
     DumpInfo,
+    FaulthandlerCaptures,
     StackStore,
     TraceInfo,
-    capture_faulthandler,
     capture_pyspy,
 )
 from watchdogd.service.stats import Stats
@@ -91,23 +94,33 @@ class Reaper:
         self.supervision = supervision
         self.stacks = stacks
         self.observe_latency = observe_latency
-        # pid -> (start time, signal) of clients that registered faulthandler with us.
-        self.faulthandlers: dict[int, tuple[int, int]] = {}
+        # pid -> (start time, signal, writes the end-of-dump marker) of clients
+        # that registered faulthandler with us.
+        self.faulthandlers: dict[int, tuple[int, int, bool]] = {}
+        self.captures = FaulthandlerCaptures()
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._pruning = False
+        self._prune_again = False
 
     def attach(self, task_group: anyio.abc.TaskGroup) -> None:
         self._task_group = task_group
+        task_group.start_soon(self.captures.run)
         if self.settings.stack_dumps != "off":
             self.stacks.prepare()
 
     # -- faulthandler registration (hello over the socket) -------------------------
 
-    def register_faulthandler(self, handle: ProcessHandle, signal: int) -> int | None:
-        """A descriptor for the client's faulthandler output, or None when dumps are off."""
+    def register_faulthandler(
+        self, handle: ProcessHandle, signal: int, marker: bool = False
+    ) -> int | None:
+        """A descriptor for the client's faulthandler output, or None when dumps are off.
+
+        ``marker``: the client writes the end-of-dump marker after the dump.
+        """
         if self.settings.stack_dumps in ("off", "py-spy"):
             return None
         fd = self.stacks.faulthandler_file(handle.pid, handle.start_time)
-        self.faulthandlers[handle.pid] = (handle.start_time, signal)
+        self.faulthandlers[handle.pid] = (handle.start_time, signal, marker)
         return fd
 
     def forget(self, handle: ProcessHandle) -> None:
@@ -169,6 +182,8 @@ class Reaper:
         if handle is not None and self._wants_dump(timer, first):
             dump = await self._capture(timer, handle)
         if not first:
+            if dump is not None:
+                self._prune_dumps()
             self.events.emit(
                 "timer_expired",
                 **describe(timer),
@@ -176,7 +191,10 @@ class Reaper:
                 dump=dump.id if dump else None,
             )
             return
-        if not self._signal(timer, handle, dump) or handle is None or not self._escalates(timer):
+        signalled = self._signal(timer, handle, dump)
+        if dump is not None:
+            self._prune_dumps()
+        if not signalled or handle is None or not self._escalates(timer):
             return
         grace = self.settings.kill_grace
         assert grace is not None
@@ -236,14 +254,38 @@ class Reaper:
         with anyio.move_on_after(config.stack_dump_timeout):
             text = None
             if registered is not None and registered[0] == handle.start_time:
+                _, signal, marker = registered
                 path = self.stacks.live_path(timer.pid, handle.start_time)
-                text = await capture_faulthandler(handle, path, registered[1])
+                text = await self.captures.capture(handle, path, signal, marker)
                 method = "faulthandler"
             if text is None and config.stack_dumps in ("auto", "py-spy") and not handle.exited():
                 text = await capture_pyspy(timer.pid)
                 method = "py-spy"
             if text is not None:
                 found.append((method, text))
+
+    def _prune_dumps(self) -> None:
+        """Keep the newest ``dumps_kept`` dumps: one pruning at a time, after the signal."""
+        if self._pruning:
+            self._prune_again = True  # the running one may have listed before this dump
+            return
+        assert self._task_group is not None
+        self._pruning = True
+        self._task_group.start_soon(self._prune_task)
+
+    async def _prune_task(self) -> None:
+        try:
+            while True:
+                self._prune_again = False
+                with anyio.move_on_after(self.settings.stack_dump_timeout):
+                    try:
+                        await anyio.to_thread.run_sync(self.stacks.prune, abandon_on_cancel=True)
+                    except OSError as e:
+                        log.warning("cannot prune the stack dumps: %s", e.strerror)
+                if not self._prune_again:
+                    return
+        finally:
+            self._pruning = False
 
     async def _collect_trace(
         self, recorder: Recorder, found: list[tuple[TraceInfo, bytes]]

@@ -170,7 +170,9 @@ class Session:
         if request.stack_signal is None:
             return welcome
         try:
-            fd = self.ports.timers.register_stack_dumps(peer.pid, request.stack_signal)
+            fd = self.ports.timers.register_stack_dumps(
+                peer.pid, request.stack_signal, request.dump_marker
+            )
         except OSError as e:
             log.error("cannot open a stack dump file for pid %d: %s", peer.pid, e.strerror)
             fd = None

@@ -234,8 +234,11 @@ class TimerService:
             "request_refused", via=via, pid=pid, scope_id=scope_id, code=code, reason=message
         )
 
-    def register_stack_dumps(self, pid: int, signal: int) -> int | None:
-        """The descriptor a client's faulthandler should write to; None when not wanted."""
+    def register_stack_dumps(self, pid: int, signal: int, marker: bool = False) -> int | None:
+        """The descriptor a client's faulthandler should write to; None when not wanted.
+
+        ``marker``: the client writes the end-of-dump marker after each dump.
+        """
         if not 0 < signal < 65 or signal == 9:
             return None
         handle = self.processes.get(pid)
@@ -245,7 +248,7 @@ class TimerService:
             except (ProcessLookupError, OSError):
                 return None
             self.watch_process(handle)
-        return self.reaper.register_faulthandler(handle, signal)
+        return self.reaper.register_faulthandler(handle, signal, marker)
 
     def _permitted(
         self, requester: Requester, handle: ProcessHandle, signal: int
