@@ -141,6 +141,24 @@ async def node_process(
                 process.kill()
 
 
+Nodes = dict[str, tuple[anyio.abc.Process, Reports]]
+
+
+@asynccontextmanager
+async def three_node_processes(
+    server: EtcdServer, run: str
+) -> AsyncIterator[tuple[Nodes, dict[str, dict[str, Any]]]]:
+    """Nodes a, b and c (2 to 3) in child processes, and each one's first round."""
+    async with (
+        node_process(server, run, "a", 2, 3) as a,
+        node_process(server, run, "b", 2, 3) as b,
+        node_process(server, run, "c", 2, 3) as c,
+    ):
+        nodes = {"a": a, "b": b, "c": c}
+        first = {name: await reports.next("round") for name, (_, reports) in nodes.items()}
+        yield nodes, first
+
+
 def names(events: list[RdzvEvent]) -> list[str]:
     return [event.name for event in events]
 
@@ -207,13 +225,7 @@ async def test_a_killed_node_is_noticed_and_the_others_regroup_without_it(
     etcd: EtcdServer,
 ) -> None:
     run = new_run()
-    async with (
-        node_process(etcd, run, "a", 2, 3) as (proc_a, a),
-        node_process(etcd, run, "b", 2, 3) as (proc_b, b),
-        node_process(etcd, run, "c", 2, 3) as (proc_c, c),
-    ):
-        nodes = {"a": (proc_a, a), "b": (proc_b, b), "c": (proc_c, c)}
-        first = {name: await reports.next("round") for name, (_, reports) in nodes.items()}
+    async with three_node_processes(etcd, run) as (nodes, first):
         assert {r["group_world_size"] for r in first.values()} == {3}
         by_rank = sorted(nodes, key=lambda name: first[name]["group_rank"])
         victim, survivors = by_rank[0], by_rank[1:]  # kill rank 0: the master must move
@@ -237,13 +249,7 @@ async def test_when_the_leader_dies_another_node_decides_the_next_rounds(
     etcd: EtcdServer,
 ) -> None:
     run = new_run()
-    async with (
-        node_process(etcd, run, "a", 2, 3) as (proc_a, a),
-        node_process(etcd, run, "b", 2, 3) as (proc_b, b),
-        node_process(etcd, run, "c", 2, 3) as (proc_c, c),
-    ):
-        nodes = {"a": (proc_a, a), "b": (proc_b, b), "c": (proc_c, c)}
-        first = {name: await reports.next("round") for name, (_, reports) in nodes.items()}
+    async with three_node_processes(etcd, run) as (nodes, first):
         leaders = [name for name, report in first.items() if report["leading"]]
         assert len(leaders) == 1  # exactly one node decides
         nodes.pop(leaders[0])[0].kill()
