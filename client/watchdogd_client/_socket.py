@@ -189,6 +189,10 @@ class SocketTimerClient(TimerClient):
         """Recent timers from arming to their end, then those still armed (yours, if not admin)."""
         return self.request(p.GetTimeline(), p.Timeline).spans
 
+    def scopes(self) -> p.ScopeList:
+        """Duration statistics of released named scopes (yours, if not admin)."""
+        return self.request(p.GetScopes(), p.ScopeList)
+
     def list_groups(self) -> list[GroupInfo]:
         return self.request(p.ListGroups(), p.GroupList).groups
 

@@ -226,6 +226,10 @@ class GetTimeline(msgspec.Struct, tag="timeline", tag_field="op"):
     """Answered with :class:`Timeline`: the recent timers, from arming to their end."""
 
 
+class GetScopes(msgspec.Struct, tag="scopes", tag_field="op"):
+    """Answered with :class:`ScopeList`: how long each named scope takes, per job and rank."""
+
+
 class ListGroups(msgspec.Struct, tag="list_groups", tag_field="op"):
     """Answered with :class:`GroupList`."""
 
@@ -250,6 +254,7 @@ class RestartGroup(msgspec.Struct, tag="restart_group", tag_field="op"):
 
 Request = (
     Hello
+    | GetScopes
     | Acquire
     | Release
     | ReleaseAll
@@ -403,6 +408,31 @@ class TimerSpan(msgspec.Struct, kw_only=True):
     uid: int | None
 
 
+class ScopeInfo(msgspec.Struct, kw_only=True):
+    """Durations of one scope's released timers, for one rank of one job."""
+
+    job: str
+    """The worker group of a supervised process; empty for any other."""
+    scope: str
+    rank: int
+    """The global rank in ``job``; the pid when ``job`` is empty."""
+    uid: int
+    count: int
+    p50_s: float
+    p99_s: float
+    max_s: float
+    """The maximum, decayed (a half-life of ``scope_stats_half_life`` samples)."""
+    mean_s: float
+
+
+class ScopeList(msgspec.Struct, tag="scope_list", tag_field="op"):
+    """Every scope's statistics the peer may see, and the sketches refused by the caps."""
+
+    seq: int
+    scopes: list[ScopeInfo]
+    refused: int
+
+
 class Timeline(msgspec.Struct, tag="timeline", tag_field="op"):
     """The last ``timeline_size`` timers that ended, oldest first, then those still armed."""
 
@@ -430,6 +460,7 @@ class Error(msgspec.Struct, tag="error", tag_field="op"):
 
 Reply = (
     Welcome
+    | ScopeList
     | Synced
     | TimerList
     | StatusInfo

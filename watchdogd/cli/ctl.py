@@ -78,6 +78,31 @@ def cmd_timers(client: SocketTimerClient, args: argparse.Namespace) -> None:
         print(f"(the {len(timers)} soonest of {listing.total} timers)")
 
 
+def cmd_scopes(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """How long each named scope takes, per job and rank (released timers only)."""
+    listing = client.scopes()
+    if args.json:
+        scopes = [msgspec.structs.asdict(s) for s in listing.scopes]
+        _print_json({"scopes": scopes, "refused": listing.refused})
+        return
+    if not listing.scopes:
+        print("no scope released yet")
+    else:
+        rows = [
+            (s.job or "-", s.rank, s.scope, s.count, _ms(s.p50_s), _ms(s.p99_s), _ms(s.max_s))
+            for s in listing.scopes
+        ]
+        headers = ["JOB", "RANK", "SCOPE", "COUNT", "P50 (ms)", "P99 (ms)", "MAX (ms)"]
+        print(tabulate(rows, headers=headers))
+        print("(RANK is the pid outside a worker group; MAX decays)")
+    if listing.refused:
+        print(f"{listing.refused} samples refused: too many distinct scopes (limits.max_scope_*)")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.3g}"
+
+
 def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
     """Show the daemon's endpoints, counts and counters."""
     status = client.status()
@@ -317,6 +342,7 @@ class UsageError(Exception):
 
 COMMANDS = {
     "timers": cmd_timers,
+    "scopes": cmd_scopes,
     "status": cmd_status,
     "groups": cmd_groups,
     "events": cmd_events,
@@ -350,7 +376,7 @@ def _parser() -> argparse.ArgumentParser:
     subs["dump"].add_argument(
         "--raw", action="store_true", help="with --trace: the trace as the rank wrote it (pickle)"
     )
-    for name in ("timers", "status", "groups", "events", "dumps", "dump"):
+    for name in ("timers", "scopes", "status", "groups", "events", "dumps", "dump"):
         subs[name].add_argument("--json", action="store_true", help="print JSON, not a table")
     subs["events"].add_argument("--since", metavar="T", help="30s, 5m, 2h, 1d ago, or epoch secs")
     subs["events"].add_argument("--limit", type=int, metavar="N", help="at most the last N")

@@ -38,6 +38,10 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Replies held for one connection before the daemon stops reading from it."""
     max_listed_timers: PositiveInt = 100_000
     """Most timers one ``list_timers`` reply carries (soonest first; marked truncated)."""
+    max_scope_stats_per_uid: PositiveInt = 1_000
+    """Duration sketches (``watchdogctl scopes``) one uid's scopes may create."""
+    max_scope_stats_per_job: PositiveInt = 10_000
+    """Duration sketches one worker group may create (scopes times ranks)."""
     fifo_pipe_size: Annotated[int, msgspec.Meta(ge=4096)] = 1024 * 1024
     """Requested FIFO buffer (``F_SETPIPE_SZ``), capped by ``/proc/sys/fs/pipe-max-size``."""
 
@@ -83,6 +87,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dumps_kept: PositiveInt = 100
     flight_recorder_timeout: Annotated[float, msgspec.Meta(gt=0)] = 3.0
     """How long, before a kill, to wait for the group's ranks' NCCL flight-recorder traces."""
+    scope_stats_half_life: Annotated[float, msgspec.Meta(ge=1)] = 10_000
+    """Samples after which a scope's maximum counts half (``watchdogctl scopes``)."""
     timeline_size: Annotated[int, msgspec.Meta(ge=0)] = 10_000
     """Timers that ended kept for a job's timeline (``watchdogctl events --trace``); 0: none."""
     kill_grace: Annotated[float, msgspec.Meta(ge=0)] | None = 10.0

@@ -40,6 +40,10 @@ class Supervision(Protocol):
         """Whether ``pid`` is a worker the daemon launched (FIFO requests may target it)."""
         ...
 
+    def rank_of(self, pid: int) -> tuple[str, int] | None:
+        """``(group, global rank)`` of a worker the daemon launched; None for any other."""
+        ...
+
     def timer_fired(self, pid: int, scope_id: str) -> None:
         """The timer ``scope_id`` signalled ``pid``: the group's failure report names it."""
         ...

@@ -91,19 +91,19 @@ class WorkerIndex:
     """
 
     def __init__(self) -> None:
-        self._groups: dict[int, str] = {}
+        self._groups: dict[int, tuple[str, int]] = {}
         self._expired_scopes: dict[int, str] = {}
         # group -> pid -> the flight recorder of that rank, for workers that run one.
         self._recorders: dict[str, dict[int, Recorder]] = {}
 
-    def add(self, pid: int, group: str, recorder: Recorder | None = None) -> None:
-        self._groups[pid] = group
+    def add(self, pid: int, group: str, rank: int, recorder: Recorder | None = None) -> None:
+        self._groups[pid] = (group, rank)
         if recorder is not None:
             self._recorders.setdefault(group, {})[pid] = recorder
 
     def remove(self, pid: int) -> None:
-        group = self._groups.pop(pid, None)
-        recorders = self._recorders.get(group or "")
+        group, _ = self._groups.pop(pid, ("", 0))
+        recorders = self._recorders.get(group)
         if recorders is not None:
             recorders.pop(pid, None)
 
@@ -113,13 +113,16 @@ class WorkerIndex:
     def is_supervised(self, pid: int) -> bool:
         return pid in self._groups
 
+    def rank_of(self, pid: int) -> tuple[str, int] | None:
+        return self._groups.get(pid)
+
     def timer_fired(self, pid: int, scope_id: str) -> None:
         if pid in self._groups:
             self._expired_scopes[pid] = scope_id
 
     def flight_recorders(self, pid: int) -> list[Recorder]:
-        group = self._groups.get(pid)
-        recorders = self._recorders.get(group or "", {})
+        group, _ = self._groups.get(pid, ("", 0))
+        recorders = self._recorders.get(group, {})
         return sorted(recorders.values(), key=lambda r: r.rank)
 
     def __contains__(self, pid: object) -> bool:
@@ -559,7 +562,7 @@ class GroupRunner:
                 )
                 worker.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None
                 self.workers[local_rank] = worker
-                self.index.add(worker.pid, self.spec.name, self._recorder(env, worker))
+                self.index.add(worker.pid, self.spec.name, rank, self._recorder(env, worker))
                 aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
                 self.events.emit_at(logging.DEBUG, "worker_started", **self._about(worker))
         finally:

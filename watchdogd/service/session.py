@@ -221,6 +221,9 @@ class Session:
             case p.GetTimeline():
                 # As for timers: operators see every one, others those of their processes.
                 return p.Timeline(seq, timers.timeline_spans(None if peer.admin else peer.uid))
+            case p.GetScopes():
+                # As for timers: operators see every scope, others those of their processes.
+                return timers.scope_list(seq, None if peer.admin else peer.uid)
             case p.ListGroups():
                 return p.GroupList(seq, ports.groups.infos())
             case p.SubmitGroup() | p.StopGroup() | p.RestartGroup():

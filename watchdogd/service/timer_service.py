@@ -38,6 +38,7 @@ from watchdogd.core.admission import admit
 from watchdogd.core.config import Config
 from watchdogd.core.policy import Policy, Requester, Target, check, valid_signals
 from watchdogd.core.ports import EventSink, Supervision
+from watchdogd.core.scope_stats import ScopeKey, ScopeStats
 from watchdogd.core.timers import Timer, TimerTable
 from watchdogd.linux import aio
 from watchdogd.linux.procs import ProcessHandle, ancestors, open_process
@@ -122,6 +123,11 @@ class TimerService:
         )
         self.limits = config.limits
         self.timeline = Timeline(config.timeline_size)
+        self.scope_stats = ScopeStats(
+            per_uid=config.limits.max_scope_stats_per_uid,
+            per_job=config.limits.max_scope_stats_per_job,
+            half_life=config.scope_stats_half_life,
+        )
         self._policy = build_policy(config)
         # pid -> (via, uid, admin, signal) the policy allowed, until the process exits.
         self._approved: dict[int, set[tuple[str, int, bool, int]]] = {}
@@ -136,6 +142,8 @@ class TimerService:
         """Apply reloaded limits, policy and reaper settings; timers are untouched."""
         self.limits = config.limits
         self.timeline.resize(config.timeline_size)
+        self.scope_stats.per_uid = config.limits.max_scope_stats_per_uid
+        self.scope_stats.per_job = config.limits.max_scope_stats_per_job
         self._policy = build_policy(config)
         self._approved.clear()
         self.reaper.settings = config
@@ -202,7 +210,7 @@ class TimerService:
         if refusal is not None:
             return refusal
         self.table.release(pid, scope_id)
-        self.timeline.record((timer, time.monotonic(), "released", handle.uid))
+        self._released(timer, time.monotonic(), handle.uid)
         self._mark_changed()
         return None
 
@@ -215,9 +223,36 @@ class TimerService:
             return refusal
         now = time.monotonic()
         for timer in self.table.release_pid(pid):
-            self.timeline.record((timer, now, "released", handle.uid))
+            self._released(timer, now, handle.uid)
         self._mark_changed()
         return None
+
+    def _released(self, timer: Timer, now: float, uid: int) -> None:
+        """A timer its owner released: on the timeline, and a sample of its scope's duration."""
+        self.timeline.record((timer, now, "released", uid))
+        placement = self.supervision.rank_of(timer.pid)
+        job, rank = placement if placement is not None else ("", timer.pid)
+        self.scope_stats.add(ScopeKey(job, timer.scope_id, rank), uid, now - timer.armed)
+
+    def scope_list(self, seq: int, uid: int | None) -> p.ScopeList:
+        """Every scope's statistics, or those of ``uid``'s processes."""
+        stats = self.scope_stats
+        scopes = [
+            p.ScopeInfo(
+                job=key.job,
+                scope=key.scope,
+                rank=key.rank,
+                uid=stats.owners[key],
+                count=sketch.count,
+                p50_s=sketch.quantile(0.5),
+                p99_s=sketch.quantile(0.99),
+                max_s=sketch.decayed_max,
+                mean_s=sketch.total / sketch.count,
+            )
+            for key, sketch in sorted(stats.sketches.items())
+            if uid is None or stats.owners[key] == uid
+        ]
+        return p.ScopeList(seq, scopes, stats.refused)
 
     def bad_input(self, via: str, reason: str, sample: bytes) -> None:
         self.stats.bad_input += 1
@@ -280,6 +315,8 @@ class TimerService:
             del self.processes[handle.pid]
         self.reaper.forget(handle)
         self._approved.pop(handle.pid, None)
+        if self.supervision.rank_of(handle.pid) is None:
+            self.scope_stats.forget("", handle.pid)  # its "rank" was its pid
         dropped = self.table.release_pid(handle.pid)
         if dropped:
             now = time.monotonic()
