@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["loop_caller", "run", "unwatch", "watch_readable"]
+__all__ = ["call_soon", "loop_caller", "run", "unwatch", "watch_readable"]
 
 
 def watch_readable(fd: int, callback: Callable[[], None]) -> None:
@@ -28,6 +28,11 @@ def watch_readable(fd: int, callback: Callable[[], None]) -> None:
 
 def unwatch(fd: int) -> None:
     asyncio.get_running_loop().remove_reader(fd)
+
+
+def call_soon(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` from the event loop on its next iteration (from the loop itself)."""
+    asyncio.get_running_loop().call_soon(callback)
 
 
 def loop_caller() -> Callable[[Callable[[], None]], None]:

@@ -5,7 +5,10 @@ pidfd and groups, where the kernel records them); the conversation itself
 is the sans-IO :class:`~watchdogd.service.session.Session`. Replies are
 sent in batches; once ``max_pending_bytes`` of them wait, the front sends
 before it reads another request, so a client that sends and never reads
-stalls only itself, at a bounded cost.
+stalls only itself, at a bounded cost. Every ``FRAMES_PER_TURN`` requests
+of one connection it gives the loop back (:class:`~watchdogd.service.session.Turn`),
+so a connection that floods holds the loop for one turn at a time, and
+every other connection and the expiry loop run in between.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import anyio.to_thread
 from anyio.abc import SocketAttribute
 
@@ -31,6 +35,7 @@ from watchdogd.service.session import (
     SendFd,
     Session,
     SessionPorts,
+    Turn,
     encode,
 )
 from watchdogd_client import protocol as p
@@ -154,6 +159,9 @@ class SocketFront:
                     case Close():
                         await flush()
                         return
+                    case Turn():
+                        await flush()
+                        await anyio.lowlevel.checkpoint()
             await flush()
 
     @staticmethod
