@@ -52,7 +52,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,63 +210,69 @@ def victim_supervisor(
         json.dump([vars(log) for log in logs], f)
 
 
-def legit_churn(sock: str, stop: threading.Event, out: dict[str, Any]) -> None:
-    """Root's own timers, armed and released all the time (never expiring), in a child.
+def in_child(
+    sock: str,
+    name: str,
+    stop: threading.Event,
+    work: Callable[[wd.SocketTimerClient, Callable[[], bool]], str],
+) -> str:
+    """``work(client, running)`` in a forked child until ``stop`` is set; the text it returned.
 
-    A child: the daemon protects its ancestors, and this process is one.
+    A child: the daemon protects its ancestors, and this process is one; and
+    this process's GIL (the fuzzers) never holds it up.
     """
+    stop_file = f"{sock}.stop-{name}"
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
         code = 1
         try:
-            client = wd.SocketTimerClient(sock, name="churn")
-            n = 0
-            while os.getppid() != 1 and not os.path.exists(f"{sock}.stop-churn"):
-                with wd.expires(after=60, scope="churn", client=client):
-                    n += 1
-                if n % 1000 == 0:
-                    client.sync()
-                    time.sleep(0.001)
-            client.sync()
-            os.write(w, str(n).encode())
+            client = wd.SocketTimerClient(sock, name=name)
+            result = work(client, lambda: os.getppid() != 1 and not os.path.exists(stop_file))
+            os.write(w, result.encode())
             code = 0
         finally:
             os._exit(code)
     os.close(w)
     stop.wait()
-    Path(f"{sock}.stop-churn").touch()
+    Path(stop_file).touch()
     with os.fdopen(r) as f:
-        out["churn_pairs"] = int(f.read() or 0)
+        text = f.read()
     os.waitpid(pid, 0)
+    return text
+
+
+def legit_churn(sock: str, stop: threading.Event, out: dict[str, Any]) -> None:
+    """Root's own timers, armed and released all the time (never expiring)."""
+
+    def churn(client: wd.SocketTimerClient, running: Callable[[], bool]) -> str:
+        n = 0
+        while running():
+            with wd.expires(after=60, scope="churn", client=client):
+                n += 1
+            if n % 1000 == 0:
+                client.sync()
+                time.sleep(0.001)
+        client.sync()
+        return str(n)
+
+    out["churn_pairs"] = int(in_child(sock, "churn", stop, churn) or 0)
 
 
 def lag_probe(sock: str, stop: threading.Event, out: dict[str, Any]) -> None:
-    """sync() round trips every 20 ms, from a child: not held up by this process's GIL."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        code = 1
-        try:
-            client = wd.SocketTimerClient(sock, name="probe")
-            times = []
-            while os.getppid() != 1 and not os.path.exists(f"{sock}.stop-probe"):
-                t0 = time.perf_counter()
-                client.sync()
-                times.append((time.perf_counter() - t0) * 1000)
-                time.sleep(0.02)
-            os.write(w, json.dumps(times).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(w)
-    stop.wait()
-    Path(f"{sock}.stop-probe").touch()
-    with os.fdopen(r) as f:
-        out["sync_ms"] = json.loads(f.read() or "[]")
-    os.waitpid(pid, 0)
+    """sync() round trips every 20 ms: the loop's lag, as a client sees it."""
+
+    def probe(client: wd.SocketTimerClient, running: Callable[[], bool]) -> str:
+        times = []
+        while running():
+            t0 = time.perf_counter()
+            client.sync()
+            times.append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.02)
+        return json.dumps(times)
+
+    out["sync_ms"] = json.loads(in_child(sock, "probe", stop, probe) or "[]")
 
 
 def start_victims(sock: str, args: argparse.Namespace) -> tuple[int, int, int, str]:
