@@ -196,6 +196,9 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     attempt), so that every rank's collective trace is taken before a hung one is killed."""
     uninterruptible_state_timeout: Seconds | None = None
     """A worker in D state this long makes the group UNHEALTHY (None: not checked)."""
+    idle_timeout: Seconds | None = None
+    """A worker that holds no timer this long, after its first one, is treated as hung:
+    the daemon arms the timer ``(idle)`` on it whenever it holds none (None: off)."""
     rendezvous: RendezvousSpec = msgspec.field(default_factory=RendezvousSpec)
 
     def __post_init__(self) -> None:

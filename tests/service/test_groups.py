@@ -70,6 +70,37 @@ def test_hung_worker_is_killed_by_its_timer_and_the_group_restarts(tmp_path: Pat
     assert "killed by SIGKILL (watchdogd: timer 'allreduce' expired)" in out.stderr
 
 
+def test_a_worker_idle_past_the_idle_timeout_is_hung_and_one_never_armed_is_not(
+    tmp_path: Path,
+) -> None:
+    worker = script(
+        tmp_path,
+        """
+        import os, time
+        import watchdogd_client as wd
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if os.environ["LOCAL_RANK"] == "0":
+            with wd.expires(after=30, scope="step"):
+                pass
+            wd.get_client().sync()
+            if attempt == 0:
+                time.sleep(600)  # holds no timer: stuck between steps
+        else:
+            time.sleep(1.5)  # never arms one: not watched
+        print(f"rank {os.environ['RANK']} attempt {attempt} ok", flush=True)
+        """,
+    )
+    started = time.monotonic()
+    out = run("--nproc-per-node", "2", "--max-restarts", "1", "--idle-timeout", "0.5", worker)
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - started < 30
+    assert "killed by SIGKILL (watchdogd: timer '(idle)' expired)" in out.stderr
+    assert {"rank 0 attempt 1 ok", "rank 1 attempt 1 ok"} <= set(out.stdout.splitlines())
+    assert "rank 0 attempt 0 ok" not in out.stdout
+    bad = run("--idle-timeout", "0", worker)
+    assert bad.returncode == 2 and "idle_timeout" in bad.stderr
+
+
 def test_hung_worker_failure_is_reported_when_restarts_run_out(tmp_path: Path) -> None:
     out = run("--nproc-per-node", "1", TRAINER, "--hang-at", "1", "--step-timeout", "0.5")
     assert out.returncode == 1

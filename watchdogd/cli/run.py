@@ -107,6 +107,9 @@ def add_run_arguments(
           help="bind local rank i to CPUs near GPU i (torch's rules, no numactl)")  # fmt: skip
     flag("--shutdown-timeout", type=float, default=None,
           help="SIGTERM to SIGKILL (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)")  # fmt: skip
+    flag("--idle-timeout", type=float, default=None, metavar="SECONDS",
+          help="a worker holding no timer this long (after its first) is hung: dump, kill, "
+          "restart (default: off)")  # fmt: skip
     flag("--signals-to-handle", default=DEFAULT_SIGNALS,
           help="passed to the workers, stopping the group (default %(default)s)")  # fmt: skip
     flag("--no-python", action="store_true", help="run SCRIPT as a program")
@@ -346,6 +349,7 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "duplicate_stderr_filters": _comma_list(args.duplicate_stderr_filters),
                 "prewarm": _comma_list(args.prewarm),
                 "flight_recorder": args.flight_recorder,
+                "idle_timeout": args.idle_timeout,
                 "rendezvous": rendezvous,
             },
             GroupSpec,

@@ -44,6 +44,10 @@ class Supervision(Protocol):
         """``(group, global rank)`` of a worker the daemon launched; None for any other."""
         ...
 
+    def idle_timeout(self, pid: int) -> float | None:
+        """How long worker ``pid`` may hold no timer, after its first (None: for ever)."""
+        ...
+
     def timer_fired(self, pid: int, scope_id: str) -> None:
         """The timer ``scope_id`` signalled ``pid``: the group's failure report names it."""
         ...

@@ -92,17 +92,28 @@ class WorkerIndex:
 
     def __init__(self) -> None:
         self._groups: dict[int, tuple[str, int]] = {}
+        self._idle_timeouts: dict[int, float] = {}
         self._expired_scopes: dict[int, str] = {}
         # group -> pid -> the flight recorder of that rank, for workers that run one.
         self._recorders: dict[str, dict[int, Recorder]] = {}
 
-    def add(self, pid: int, group: str, rank: int, recorder: Recorder | None = None) -> None:
+    def add(
+        self,
+        pid: int,
+        group: str,
+        rank: int,
+        recorder: Recorder | None = None,
+        idle_timeout: float | None = None,
+    ) -> None:
         self._groups[pid] = (group, rank)
+        if idle_timeout is not None:
+            self._idle_timeouts[pid] = idle_timeout
         if recorder is not None:
             self._recorders.setdefault(group, {})[pid] = recorder
 
     def remove(self, pid: int) -> None:
         group, _ = self._groups.pop(pid, ("", 0))
+        self._idle_timeouts.pop(pid, None)
         recorders = self._recorders.get(group)
         if recorders is not None:
             recorders.pop(pid, None)
@@ -115,6 +126,9 @@ class WorkerIndex:
 
     def rank_of(self, pid: int) -> tuple[str, int] | None:
         return self._groups.get(pid)
+
+    def idle_timeout(self, pid: int) -> float | None:
+        return self._idle_timeouts.get(pid)
 
     def timer_fired(self, pid: int, scope_id: str) -> None:
         if pid in self._groups:
@@ -562,7 +576,13 @@ class GroupRunner:
                 )
                 worker.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None
                 self.workers[local_rank] = worker
-                self.index.add(worker.pid, self.spec.name, rank, self._recorder(env, worker))
+                self.index.add(
+                    worker.pid,
+                    self.spec.name,
+                    rank,
+                    self._recorder(env, worker),
+                    self.spec.idle_timeout,
+                )
                 aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
                 self.events.emit_at(logging.DEBUG, "worker_started", **self._about(worker))
         finally:

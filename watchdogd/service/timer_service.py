@@ -28,6 +28,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from signal import SIGKILL
 from typing import Literal, Protocol
 
 import anyio
@@ -49,7 +50,10 @@ from watchdogd.service.stats import Stats
 from watchdogd.service.timeline import Timeline
 from watchdogd_client import protocol as p
 
-__all__ = ["ErrorReply", "TimerOperations", "TimerService"]
+__all__ = ["IDLE_SCOPE", "ErrorReply", "TimerOperations", "TimerService"]
+
+IDLE_SCOPE = "(idle)"
+"""The timer a worker with an idle timeout holds while it holds no other."""
 
 # libuv's timer resolution (uvloop): wake this much early, then watch the clock.
 _TIMER_SLACK = 0.0015
@@ -198,6 +202,8 @@ class TimerService:
         source: Literal["fifo", "socket"] = requester.via
         if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid, now):
             self._wake.set()
+        if scope_id != IDLE_SCOPE:
+            self.table.release(pid, IDLE_SCOPE)  # it holds a timer: not idle
         self._mark_changed()
         return None
 
@@ -210,7 +216,9 @@ class TimerService:
         if refusal is not None:
             return refusal
         self.table.release(pid, scope_id)
-        self._released(timer, time.monotonic(), handle.uid)
+        now = time.monotonic()
+        self._released(timer, now, handle.uid)
+        self._arm_idle(pid, now, handle.uid)
         self._mark_changed()
         return None
 
@@ -224,12 +232,28 @@ class TimerService:
         now = time.monotonic()
         for timer in self.table.release_pid(pid):
             self._released(timer, now, handle.uid)
+        self._arm_idle(pid, now, handle.uid)
         self._mark_changed()
         return None
+
+    def _arm_idle(self, pid: int, now: float, uid: int) -> None:
+        """A worker with an idle timeout that holds no timer now gets the ``(idle)`` one.
+
+        Its expiry is a hang like any other (stack dump, kill, the group restarts).
+        """
+        if self.table.count_for(pid):
+            return
+        idle = self.supervision.idle_timeout(pid)
+        if idle is not None and self.table.arm(
+            pid, IDLE_SCOPE, now + idle, SIGKILL, uid=uid, armed=now
+        ):
+            self._wake.set()
 
     def _released(self, timer: Timer, now: float, uid: int) -> None:
         """A timer its owner released: on the timeline, and a sample of its scope's duration."""
         self.timeline.record((timer, now, "released", uid))
+        if timer.scope_id == IDLE_SCOPE:
+            return  # the daemon's own timer: not a scope of the trainer's
         placement = self.supervision.rank_of(timer.pid)
         job, rank = placement if placement is not None else ("", timer.pid)
         self.scope_stats.add(ScopeKey(job, timer.scope_id, rank), uid, now - timer.armed)
