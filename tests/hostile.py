@@ -14,8 +14,8 @@ import socket
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,18 @@ def sleepers(*uids: int | None) -> Iterator[list[subprocess.Popen[bytes]]]:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@asynccontextmanager
+async def sleepers_off_loop(*uids: int | None) -> AsyncIterator[list[subprocess.Popen[bytes]]]:
+    """:func:`sleepers` started and reaped in a worker thread, for tests running a daemon in
+    their own event loop: forking a test process grown large blocks the loop for tens of ms."""
+    started = sleepers(*uids)
+    procs = await anyio.to_thread.run_sync(started.__enter__)
+    try:
+        yield procs
+    finally:
+        await anyio.to_thread.run_sync(started.__exit__, None, None, None)
 
 
 def rss_kib(pid: int) -> int:

@@ -39,6 +39,7 @@ from ..hostile import (
     capture_events,
     needs_root,
     sleepers,
+    sleepers_off_loop,
 )
 
 pytestmark = needs_root
@@ -300,7 +301,12 @@ async def test_nobody_cannot_arm_or_disarm_timers_on_other_users_processes(
         reachable_dir, socket_mode=0o666, fifo_mode=0o666, policy=policy
     ) as daemon:
         events = capture_events(daemon)
-        with sleepers(None, OTHER_UID, NOBODY, NOBODY) as (root_proc, other, decoy_s, decoy_f):
+        async with sleepers_off_loop(None, OTHER_UID, NOBODY, NOBODY) as (
+            root_proc,
+            other,
+            decoy_s,
+            decoy_f,
+        ):
             with wd.SocketTimerClient(daemon.socket_path) as c:
                 await call(c.acquire_for, root_proc.pid, "root-watch", time.time() + 3600, 9)
                 await call(c.sync)

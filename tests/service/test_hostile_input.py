@@ -33,6 +33,7 @@ from ..hostile import (
     nobody_dialer,
     serve,
     sleepers,
+    sleepers_off_loop,
 )
 from ..wire import HELLO, encode, exchange, greeted, parse_replies, raw_connect, receive
 
@@ -56,7 +57,7 @@ async def test_scope_id_longer_than_max_scope_len_is_refused(short_dir: Path) ->
     """A scope_id one past max_scope_len is limit_exceeded by socket and FIFO; at it, armed."""
     async with running_daemon(short_dir, limits=SMALL) as daemon:
         events = capture_events(daemon)
-        with sleepers(None) as (victim,):
+        async with sleepers_off_loop(None) as (victim,):
             later = time.time() + 60
             assert await call(arm_error, daemon.socket_path, victim.pid, "s" * 16, later) is None
             error = await call(arm_error, daemon.socket_path, victim.pid, "s" * 17, later)
@@ -75,28 +76,30 @@ async def test_scope_id_longer_than_max_scope_len_is_refused(short_dir: Path) ->
 @pytest.mark.anyio
 async def test_timer_count_limits_refuse_new_timers_only(short_dir: Path) -> None:
     """max_timers_per_pid and max_timers refuse new timers; re-arming and freed room still work."""
-    async with running_daemon(short_dir, limits=SMALL) as daemon:
-        with sleepers(None, None) as (a, b):
-            later = time.time() + 60
-            path = daemon.socket_path
-            for i in range(3):
-                assert await call(arm_error, path, a.pid, f"a{i}", later) is None
-            error = await call(arm_error, path, a.pid, "a3", later)
-            assert error is not None and error.code == "limit_exceeded"
-            assert "max_timers_per_pid" in error.message
-            # Re-arming an existing timer at the limit is not a new timer.
-            assert await call(arm_error, path, a.pid, "a0", later + 1) is None
-            for i in range(2):
-                assert await call(arm_error, path, b.pid, f"b{i}", later) is None
-            error = await call(arm_error, path, b.pid, "b2", later)
-            assert error is not None and error.code == "limit_exceeded"
-            assert "max_timers" in error.message and "per_pid" not in error.message
-            assert len(daemon.timers.table) == 5
-            with wd.SocketTimerClient(path) as c:
-                await call(c.release_for, b.pid, "b0")
-                await call(c.sync)
-            assert await call(arm_error, path, b.pid, "b2", later) is None
-            assert daemon.stats.refused == 2
+    async with (
+        running_daemon(short_dir, limits=SMALL) as daemon,
+        sleepers_off_loop(None, None) as (a, b),
+    ):
+        later = time.time() + 60
+        path = daemon.socket_path
+        for i in range(3):
+            assert await call(arm_error, path, a.pid, f"a{i}", later) is None
+        error = await call(arm_error, path, a.pid, "a3", later)
+        assert error is not None and error.code == "limit_exceeded"
+        assert "max_timers_per_pid" in error.message
+        # Re-arming an existing timer at the limit is not a new timer.
+        assert await call(arm_error, path, a.pid, "a0", later + 1) is None
+        for i in range(2):
+            assert await call(arm_error, path, b.pid, f"b{i}", later) is None
+        error = await call(arm_error, path, b.pid, "b2", later)
+        assert error is not None and error.code == "limit_exceeded"
+        assert "max_timers" in error.message and "per_pid" not in error.message
+        assert len(daemon.timers.table) == 5
+        with wd.SocketTimerClient(path) as c:
+            await call(c.release_for, b.pid, "b0")
+            await call(c.sync)
+        assert await call(arm_error, path, b.pid, "b2", later) is None
+        assert daemon.stats.refused == 2
 
 
 @pytest.mark.anyio
@@ -159,7 +162,7 @@ async def test_fifo_line_longer_than_max_line_is_dropped_and_counted(short_dir: 
     """FIFO lines past max_line are dropped and counted; the lines around them are armed."""
     async with running_daemon(short_dir, limits=SMALL) as daemon:
         events = capture_events(daemon)
-        with sleepers(None) as (victim,):
+        async with sleepers_off_loop(None) as (victim,):
             later = time.time() + 60
 
             def padded(scope: str, length: int) -> bytes:
@@ -204,20 +207,19 @@ async def fifo_between_good_lines(
     runtime_dir: Path, bad: Callable[[int, float], bytes]
 ) -> tuple[list[str], dict[str, int]]:
     """``bad(pid, expiration)`` on the FIFO between two good lines: the scopes armed, the counts."""
-    async with running_daemon(runtime_dir) as daemon:
-        with sleepers(None) as (victim,):
-            later = time.time() + 60
-            fifo_write(
-                daemon.fifo_path,
-                fifo_line(victim.pid, "before", later)
-                + bad(victim.pid, later)
-                + fifo_line(victim.pid, "after", later),
-            )
-            await anyio.sleep(0.3)
-            return sorted(t.scope_id for t in daemon.timers.table), {
-                "refused": daemon.stats.refused,
-                "bad_input": daemon.stats.bad_input,
-            }
+    async with running_daemon(runtime_dir) as daemon, sleepers_off_loop(None) as (victim,):
+        later = time.time() + 60
+        fifo_write(
+            daemon.fifo_path,
+            fifo_line(victim.pid, "before", later)
+            + bad(victim.pid, later)
+            + fifo_line(victim.pid, "after", later),
+        )
+        await anyio.sleep(0.3)
+        return sorted(t.scope_id for t in daemon.timers.table), {
+            "refused": daemon.stats.refused,
+            "bad_input": daemon.stats.bad_input,
+        }
 
 
 def test_out_of_range_pid_over_the_socket_is_an_error_not_a_crash(short_dir: Path) -> None:
