@@ -102,6 +102,7 @@ from watchdogd.core.rdzv_state import (
 from watchdogd.core.workerenv import Placement
 from watchdogd.groups.etcd_store import (
     EtcdStore,
+    KeyValue,
     Mirror,
     lease_not_found,
     parse_endpoints,
@@ -157,6 +158,18 @@ _NODES = "nodes/"
 _STATE = "state"
 _LEADER = "leader"
 _RESTARTS = "restarts"
+
+
+def _state_of(found: KeyValue | None) -> RoundState:
+    return _state_decoder.decode(found.value) if found else RoundState()
+
+
+def _restarts_of(found: KeyValue | None) -> RestartCount:
+    return _restarts_decoder.decode(found.value) if found else RestartCount()
+
+
+def _record_of(found: KeyValue) -> Record:
+    return Record(_record_decoder.decode(found.value), found.mod_revision)
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -391,7 +404,7 @@ class EtcdRendezvous:
             while True:
                 revision = self._state_mirror.revision
                 found = self._state_mirror.values.get(_STATE)
-                self._state = _state_decoder.decode(found.value) if found else RoundState()
+                self._state = _state_of(found)
                 self._notify()
                 await self._state_mirror.wait_past(revision)
 
@@ -415,10 +428,9 @@ class EtcdRendezvous:
         that one node takes the lead, not a thousand at once; the others
         see it taken and never ask. A node in no round yet tries at once.
         """
-        if self._round is None:
+        if self._rank is None:
             return 0.0
-        rank = self._rank if self._rank is not None else _SUCCESSION_RANKS
-        return _SUCCESSION_STEP * min(rank, _SUCCESSION_RANKS)
+        return _SUCCESSION_STEP * min(self._rank, _SUCCESSION_RANKS)
 
     async def _lead(self) -> None:
         """Take the ``leader`` key whenever it is free; decide the rounds while it is ours."""
@@ -461,12 +473,11 @@ class EtcdRendezvous:
                     if kv is None:
                         records.pop(node, None)
                     else:
-                        records[node] = Record(_record_decoder.decode(kv.value), kv.mod_revision)
+                        records[node] = _record_of(kv)
                 mirror.changed.clear()
                 found = mirror.values.get(_STATE)
-                state = _state_decoder.decode(found.value) if found else RoundState()
-                counted = mirror.values.get(_RESTARTS)
-                restarts = _restarts_decoder.decode(counted.value).count if counted else 0
+                state = _state_of(found)
+                restarts = _restarts_of(mirror.values.get(_RESTARTS)).count
                 now = time.monotonic()
                 if state.complete or asking_count(state, records) < self.min_nodes:
                     last_call = None
@@ -576,10 +587,7 @@ class EtcdRendezvous:
     async def _records(self) -> dict[str, Record]:
         """Every node's record, read once (for messages: decisions use the leader's watch)."""
         listing = await self._store.read_all(_NODES, deadline=time.monotonic() + self.etcd_timeout)
-        return {
-            name.removeprefix(_NODES): Record(_record_decoder.decode(kv.value), kv.mod_revision)
-            for name, kv in listing.values.items()
-        }
+        return {name.removeprefix(_NODES): _record_of(kv) for name, kv in listing.values.items()}
 
     async def _asking(self, state: RoundState) -> list[str]:
         try:
@@ -641,7 +649,7 @@ class EtcdRendezvous:
         deadline = time.monotonic() + self.etcd_timeout
         while True:
             found = await self._store.get(_STATE, deadline=deadline)
-            state = _state_decoder.decode(found.value) if found else RoundState()
+            state = _state_of(found)
             if state.closed:
                 return
             closed = _encoder.encode(msgspec.structs.replace(state, closed=True))
@@ -652,7 +660,7 @@ class EtcdRendezvous:
 
     async def is_closed(self) -> bool:
         found = await self._store.get(_STATE, deadline=time.monotonic() + self.etcd_timeout)
-        return found is not None and _state_decoder.decode(found.value).closed
+        return _state_of(found).closed
 
     async def add_restart(self) -> int:
         """Count the failure of this node's round, once for the whole job; the new total.
@@ -666,7 +674,7 @@ class EtcdRendezvous:
         deadline = time.monotonic() + self.etcd_timeout
         while True:
             found = await self._store.get(_RESTARTS, deadline=deadline)
-            counter = _restarts_decoder.decode(found.value) if found else RestartCount()
+            counter = _restarts_of(found)
             counted = count_restart(counter, self._round)
             if counted == counter:
                 return counted.count

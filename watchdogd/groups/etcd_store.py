@@ -294,14 +294,9 @@ class EtcdStore:
 
     async def put(
         self, name: str, value: bytes, *, lease: int = 0, deadline: float = math.inf
-    ) -> int:
-        """Write ``name``; the revision of the write."""
+    ) -> None:
         key = self.key(name)
-
-        async def put(client: Any) -> int:
-            return int((await client.put(key, value, lease=lease)).header.revision)
-
-        return await self.call(put, deadline=deadline, what=name)
+        await self.call(lambda c: c.put(key, value, lease=lease), deadline=deadline, what=name)
 
     async def create(
         self, name: str, value: bytes, *, lease: int, deadline: float = math.inf
