@@ -33,7 +33,10 @@ nobody-owned decoys started here.
 
 Reported: inputs sent, daemon crashes, wrong kills (a legit or bystander
 process killed, a legit timer lost, a signal to anything but a decoy),
-missed kills, kill latency, the daemon's RSS before and after, sync p99.
+missed kills, kill latency, the daemon's RSS before and after, sync p99,
+and how much of the fuzz the daemon's loop thread spent waiting for a CPU
+(``/proc/PID/task/PID/schedstat``): this script, its victims and the daemon
+share the machine, and that wait is in every latency above.
 """
 
 from __future__ import annotations
@@ -72,6 +75,13 @@ from tests.system.test_hostile_fuzz import (
 
 MAX_FRAME = 1024
 MAX_LINE = 512
+
+
+def loop_thread_times(pid: int) -> tuple[float, float]:
+    """Seconds the daemon's loop thread has run, and waited runnable for a CPU (schedstat)."""
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        ran, waited, _ = f.read().split()
+    return int(ran) / 1e9, int(waited) / 1e9
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -445,6 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 conns = [fresh() for _ in range(args.conns)]
                 t0 = time.monotonic()
+                cpu_before = loop_thread_times(served.pid)
                 total = 0
                 while total < args.frames:
                     if rng.random() < args.fifo_share:
@@ -486,6 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if total % 100_000 == 0:
                         print(f"  {total} inputs, {time.monotonic() - t0:.0f} s", file=sys.stderr)
                 fuzz_s = time.monotonic() - t0
+                ran, waited = (
+                    b - a for a, b in zip(cpu_before, loop_thread_times(served.pid), strict=True)
+                )
                 if args.fuzz_nice:
                     os.setpriority(os.PRIO_PROCESS, 0, 0)
                 for conn in conns:
@@ -543,6 +557,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  root's arm/release pairs meanwhile {out.get('churn_pairs', 0)}")
     print(f"  sync() round trip (loop lag as a client sees it): {spread(sync)}")
     print(f"  daemon RSS {rss_before} KiB -> {rss_after} KiB")
+    print(
+        f"  the daemon's loop thread during the fuzz: ran {100 * ran / fuzz_s:.0f} %, waited "
+        f"for a CPU {100 * waited / fuzz_s:.0f} % of the time (the machine's share of its lateness)"
+    )
     if status is not None:
         print(
             f"  daemon: refused {status.refused}, bad_input {status.bad_input}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -66,6 +67,19 @@ def pid_namespace() -> list[str]:
     if probe.returncode != 0:
         pytest.skip(f"cannot create a pid namespace or write ns_last_pid: {probe.stderr.strip()}")
     return command
+
+
+@contextlib.contextmanager
+def big_heap(mib: int) -> Iterator[None]:
+    """``mib`` MiB of private memory, touched, in this process: a big daemon's.
+
+    A fork copies the page tables of such memory (what makes forking a big
+    process slow); unmapped at the end, unlike freed small objects.
+    """
+    with mmap.mmap(-1, mib << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as ballast:
+        for offset in range(0, len(ballast), mmap.PAGESIZE):
+            ballast[offset] = 1
+        yield
 
 
 # The daemon fires every deadline on the node from one loop: a test fails if

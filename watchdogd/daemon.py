@@ -4,7 +4,9 @@ Nothing but ``cli/`` imports this module. The parts never see the
 :class:`Daemon`: the timer service gets an event sink, its stats and the
 supervisor's worker index (``Supervision``); the fronts get the timer
 service's operations; the socket sessions get ``SessionPorts``; the
-supervisor gets the event sink and the endpoints; metrics read typed stats.
+supervisor gets the event sink, the endpoints and the straggler watch's
+``StragglerShare`` (what multi-node groups publish and read back); metrics
+read typed stats.
 
 One anyio task group holds everything: the socket's accept loop and one
 task per connection, the expiry loop, the snapshot writer, the worker
@@ -35,7 +37,7 @@ import msgspec
 from watchdogd import __version__
 from watchdogd.core.config import Config
 from watchdogd.core.ports import GroupError
-from watchdogd.groups.runner import Endpoints
+from watchdogd.groups.runner import Endpoints, WorkerIndex
 from watchdogd.groups.supervisor import Supervisor
 from watchdogd.linux import aio
 from watchdogd.linux.endpoints import (
@@ -54,6 +56,7 @@ from watchdogd.linux.systemd import Notifier, is_fifo, is_listening_unix_socket,
 from watchdogd.service.eventlog import EventLog, install_event_handler
 from watchdogd.service.fifo import FifoFront
 from watchdogd.service.gpu_status import GpuStatus
+from watchdogd.service.learned_store import LearnedStore
 from watchdogd.service.metrics import HealthServer, LoopMonitor, Metrics, parse_listen
 from watchdogd.service.persistence import Persistence
 from watchdogd.service.session import SessionPorts
@@ -68,6 +71,8 @@ __all__ = ["Daemon"]
 log = logging.getLogger("watchdogd")
 
 _EVENT_LOG = "watchdogd-event-log"
+# Seconds between saves of what jobs learned, while it changes (and once on the way out).
+_LEARNED_SAVE = 5.0
 
 
 def _events_dropped(count: int) -> str:
@@ -124,18 +129,24 @@ class Daemon:
         )
         self.stats = Stats()
         self.loop_monitor = LoopMonitor(loop_tick)
-        self.supervisor = Supervisor(
-            self.events, Endpoints(str(self.socket_path), str(self.fifo_path))
-        )
+        workers = WorkerIndex()
         self.stacks = StackStore(config.state_path() / "dumps", config.dumps_kept)
         self.timers = TimerService(
             config,
             events=self.events,
             stats=self.stats,
-            supervision=self.supervisor.workers,
+            supervision=workers,
             stacks=self.stacks,
             observe_latency=lambda late: self.metrics.expiry_latency.observe(late),
         )
+        self.supervisor = Supervisor(
+            self.events,
+            Endpoints(str(self.socket_path), str(self.fifo_path)),
+            workers=workers,
+            stragglers=self.timers.stragglers,
+            runs=self.timers,
+        )
+        self.supervisor.fault_injection = config.fault_injection
         self.metrics = Metrics(
             self.stats,
             self.timers,
@@ -150,6 +161,9 @@ class Daemon:
             events=self.events,
             stats=self.stats,
             interval=config.snapshot_interval,
+        )
+        self.learned_store = LearnedStore(
+            config.learned_path(), self.timers, events=self.events, interval=_LEARNED_SAVE
         )
         self.fifo_front = FifoFront(self.timers, self.stats, config.limits.max_line)
         self.socket_front = SocketFront(
@@ -192,6 +206,7 @@ class Daemon:
                 tg.start_soon(self.timers.run, tg)
                 tg.start_soon(listener.serve, self.socket_front.serve, tg)
                 tg.start_soon(self.persistence.run)
+                tg.start_soon(self.learned_store.run)
                 tg.start_soon(self._notify_loop)
                 tg.start_soon(self.loop_monitor.run)
                 self._start_http(cleanup)
@@ -225,6 +240,7 @@ class Daemon:
                 await self.supervisor.stop_all()
                 tg.cancel_scope.cancel()
             self.persistence.write_now()
+            self.learned_store.write_now()
 
     @staticmethod
     async def _close_event_log(name: str, sink: LogSink, handler: logging.Handler) -> None:
@@ -318,6 +334,8 @@ class Daemon:
         self.config = config
         self.timers.reconfigure(config)
         self.persistence.interval = config.snapshot_interval
+        self.learned_store.directory = config.learned_path()
+        self.supervisor.fault_injection = config.fault_injection
         self.fifo_front.splitter.max_line = config.limits.max_line
         self.socket_front.admin_gid = _admin_gid(config)
         for name in old_groups - new_groups.keys():
@@ -391,6 +409,8 @@ class Daemon:
             signalled=stats.signalled,
             refused=stats.refused,
             bad_input=stats.bad_input,
+            connections_refused=dict(stats.connections_refused),
+            suppressed=dict(stats.suppressed),
             gpus=gpus,
             gpu_note=gpu_note,
         )

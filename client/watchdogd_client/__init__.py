@@ -30,6 +30,7 @@ from ._errors import (
     WatchdogError,
 )
 from ._fifo import FileTimerClient
+from ._learn import LEARN, Learn
 from ._local import LocalTimerClient, LocalTimerServer, MultiprocessingRequestQueue
 from ._paths import default_fifo_path, default_runtime_dir, default_socket_path
 from ._socket import SocketTimerClient
@@ -37,9 +38,11 @@ from ._timer import configure, expires, get_client
 from ._timer_client import TimerClient
 
 __all__ = [
+    "LEARN",
     "DaemonUnavailableError",
     "FifoFullError",
     "FileTimerClient",
+    "Learn",
     "LocalTimerClient",
     "LocalTimerServer",
     "MultiprocessingRequestQueue",

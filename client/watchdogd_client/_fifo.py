@@ -35,6 +35,7 @@ import weakref
 
 import msgspec
 
+from . import _faults
 from . import protocol as p
 from ._errors import DaemonUnavailableError, FifoFullError
 from ._proc import stat_fields
@@ -76,11 +77,14 @@ class FileTimerClient(TimerClient):
         self._foreign: tuple[int, int] | None = None
         self._pid = os.getpid()
         _live_clients.add(self)
+        _faults.install()  # only where the daemon offers fault injection
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
         self._write(p.FileTimerRequest(1, self._pid, scope_id, expiration_time, self.signal))
 
     def release(self, scope_id: str) -> None:
+        if _faults.active is not None:
+            _faults.hang_if_injected()
         self._write(p.FileTimerRequest(1, self._pid, scope_id, -1, 0))
 
     def close(self) -> None:

@@ -1,10 +1,11 @@
 """The socket client: pipelined timer requests and blocking queries.
 
 ``acquire``/``release`` write one frame and return: the daemon answers them
-only when they fail, and a failure is raised by the next call that finds it
-waiting (after that call's own request was sent, so a release is never held
-back by an older error). :meth:`SocketTimerClient.sync` waits until the daemon
-has processed everything sent so far.
+only when they fail, and a failure is raised by the first call made a
+millisecond or more after it arrived (after that call's own request was
+sent, so a release is never held back by an older error).
+:meth:`SocketTimerClient.sync` waits until the daemon has processed
+everything sent so far.
 
 The client remembers the scopes it holds. When the daemon goes away (it was
 restarted, or upgraded), the next call reconnects and re-arms them before
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import os
 import select
 import signal as _signal
@@ -37,12 +39,13 @@ from typing import TypeVar
 
 import msgspec
 
+from . import _faults
 from . import protocol as p
 from ._errors import DaemonUnavailableError, ProtocolError, RequestError
 from ._paths import default_socket_path
 from ._timer_client import TimerClient
 from .framing import FrameSplitter, FrameTooLargeError, frame
-from .groups import GroupInfo, GroupSpec
+from .groups import Fault, GroupInfo, GroupSpec
 
 __all__ = ["SocketTimerClient"]
 
@@ -50,6 +53,21 @@ _R = TypeVar("_R", bound=p.Reply)
 
 _encoder = msgspec.msgpack.Encoder()
 _reply_decoder = msgspec.msgpack.Decoder(p.Reply)
+# How often acquire/release look for error replies (see _raise_pending).
+_PENDING_CHECK_NS = 1_000_000
+# The frames of acquire and release for the scopes in use, so that the hot
+# path encodes nothing but the deadline (a third of the cost of encoding the
+# Struct and framing it). Still msgspec's bytes, never msgpack written by
+# hand: its output for a placeholder deadline, cut around msgspec's encoding
+# of that float, is joined around msgspec's encoding of the real one. Bounded:
+# a program that names a scope per step refills it instead of growing it.
+_FRAME_CACHE_SIZE = 1024
+_acquire_frames: dict[tuple[str, int], tuple[bytes, bytes] | None] = {}
+"""(scope, signal) -> the frame before and after the deadline (None: cannot be cut)."""
+_release_frames: dict[str, bytes] = {}
+# A positive float: msgspec writes it as 0xcb then a byte below 0x80, and no
+# UTF-8 text has 0xcb before such a byte, so no scope name can contain it.
+_PLACEHOLDER = 1.5
 _live_clients: weakref.WeakSet[SocketTimerClient] = weakref.WeakSet()
 # stack signal -> the faulthandler file its dump marker goes to (the last one registered).
 _marker_fds: dict[int, int] = {}
@@ -69,6 +87,43 @@ def _can_mark(signum: int) -> bool:
         _signal.getsignal(signum) is _write_dump_marker
         or threading.current_thread() is threading.main_thread()
     )
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _cache(cache: dict[_K, _V], key: _K, value: _V) -> _V:
+    if len(cache) >= _FRAME_CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _acquire_parts(scope_id: str, signal: int) -> tuple[bytes, bytes] | None:
+    """The framed ``Acquire`` of ``scope_id`` cut around its deadline, if it can be."""
+    data = frame(_encoder.encode(p.Acquire(scope_id, _PLACEHOLDER, signal)))
+    placeholder = _encoder.encode(_PLACEHOLDER)
+    if data.count(placeholder) != 1:
+        return None
+    head, _, tail = data.partition(placeholder)
+    return head, tail
+
+
+def _acquire_frame(scope_id: str, expiration_time: float, signal: int) -> bytes:
+    """``frame(encode(Acquire(scope_id, expiration_time, signal)))``, from the cache.
+
+    msgspec writes every float in 9 bytes (float64), so the frame's length
+    is the placeholder's and only the deadline's bytes differ.
+    """
+    key = (scope_id, signal)
+    try:
+        parts = _acquire_frames[key]
+    except KeyError:
+        parts = _cache(_acquire_frames, key, _acquire_parts(scope_id, signal))
+    if parts is None:
+        return frame(_encoder.encode(p.Acquire(scope_id, expiration_time, signal)))
+    return parts[0] + _encoder.encode(expiration_time) + parts[1]
 
 
 class SocketTimerClient(TimerClient):
@@ -104,11 +159,15 @@ class SocketTimerClient(TimerClient):
         self._splitter = FrameSplitter(p.MAX_FRAME_SIZE)
         self._frames: deque[bytes] = deque()  # received, not yet decoded
         self._errors: list[RequestError] = []
-        self._held: dict[str, tuple[float, int]] = {}
+        self._next_check = 0
+        """When ``_raise_pending`` next polls for replies (``time.monotonic_ns()``)."""
+        self._held: dict[str, tuple[float, int, bool]] = {}
+        """Scope -> (expiration time, signal, learned): what a reconnect re-arms."""
         self.welcome: p.Welcome | None = None
         self.stack_signal = stack_signal
         self._stack_fd = -1
         _live_clients.add(self)
+        _faults.install()  # only where the daemon offers fault injection
 
     # -- TimerClient -----------------------------------------------------------
 
@@ -117,14 +176,30 @@ class SocketTimerClient(TimerClient):
         if expiration_time < 0:
             self.release(scope_id)
             return
-        self._send(p.Acquire(scope_id, expiration_time, self.signal))
-        self._held[scope_id] = (expiration_time, self.signal)
+        self._send_frame(_acquire_frame(scope_id, float(expiration_time), self.signal))
+        self._held[scope_id] = (expiration_time, self.signal, False)
+        self._raise_pending()
+
+    def acquire_learned(self, scope_id: str, initial: float | None) -> None:
+        """Arm ``scope_id`` with the deadline the daemon learned for it (``LEARN``).
+
+        ``initial``: seconds, the deadline while the scope is still being
+        learned (None: the daemon's rule for the scope must give one).
+        """
+        expiration_time = math.inf if initial is None else time.time() + initial
+        self._send(p.Acquire(scope_id, expiration_time, self.signal, learn=True))
+        self._held[scope_id] = (expiration_time, self.signal, True)
         self._raise_pending()
 
     def release(self, scope_id: str) -> None:
         """Disarm ``scope_id`` for this process."""
+        if _faults.active is not None:
+            _faults.hang_if_injected()
         self._held.pop(scope_id, None)
-        self._send(p.Release(scope_id))
+        data = _release_frames.get(scope_id)
+        if data is None:
+            data = _cache(_release_frames, scope_id, frame(_encoder.encode(p.Release(scope_id))))
+        self._send_frame(data)
         self._raise_pending()
 
     # -- beyond torch ----------------------------------------------------------
@@ -193,6 +268,16 @@ class SocketTimerClient(TimerClient):
         """Duration statistics of released named scopes (yours, if not admin)."""
         return self.request(p.GetScopes(), p.ScopeList)
 
+    def stragglers(self, job: bool = False) -> p.StragglerList:
+        """Straggler scores of worker ranks per scope (yours, if not admin); ``job``: with
+        every node's ranks of their jobs."""
+        return self.request(p.GetStragglers(job), p.StragglerList)
+
+    def device_time(self, scope_id: str, seconds: float) -> None:
+        """Report the device time of this process's last completed ``scope_id`` (pipelined)."""
+        self._send(p.DeviceTime(scope_id, seconds))
+        self._raise_pending()
+
     def list_groups(self) -> list[GroupInfo]:
         return self.request(p.ListGroups(), p.GroupList).groups
 
@@ -205,6 +290,10 @@ class SocketTimerClient(TimerClient):
 
     def restart_group(self, name: str) -> str:
         return self.request(p.RestartGroup(name), p.Ok).message
+
+    def inject_fault(self, name: str, fault: Fault) -> str:
+        """Inject ``fault`` into group ``name`` (a drill: the config must enable it)."""
+        return self.request(p.InjectFault(name, fault), p.Ok).message
 
     def request(self, message: p.Request, expect: type[_R]) -> _R:
         """Send ``message`` and wait for its reply, which must be an ``expect``."""
@@ -239,8 +328,10 @@ class SocketTimerClient(TimerClient):
 
     def _send(self, message: p.Request) -> int:
         """Send one request; its seq. Errors already waiting are collected, not raised."""
-        payload = _encoder.encode(message)
-        data = frame(payload)
+        return self._send_frame(frame(_encoder.encode(message)))
+
+    def _send_frame(self, data: bytes) -> int:
+        """Send one framed request; its seq."""
         sock = self._sock or self._connect()
         try:
             self._sendall(sock, data)
@@ -282,9 +373,15 @@ class SocketTimerClient(TimerClient):
                 continue
 
     def _raise_pending(self) -> None:
-        sock = self._sock
-        if sock is not None and self._poller.poll(0):
-            self._read_available(sock)
+        # A poll() costs more than the rest of an acquire; a clock read is a
+        # tenth of one. Looking at most every _PENDING_CHECK_NS bounds how late
+        # an answer is seen: the first call that long after it arrived raises it.
+        now = time.monotonic_ns()
+        if now >= self._next_check:
+            self._next_check = now + _PENDING_CHECK_NS
+            sock = self._sock
+            if sock is not None and self._poller.poll(0):
+                self._read_available(sock)
         if self._errors:
             raise self._errors.pop(0)
 
@@ -326,8 +423,9 @@ class SocketTimerClient(TimerClient):
             self._register_faulthandler(stack_signal, fds.pop(0), marker)
         for fd in fds:
             os.close(fd)
-        for scope_id, (expiration_time, signal) in self._held.items():
-            rearm = p.Acquire(scope_id, expiration_time, signal)
+        for scope_id, (expiration_time, signal, learn) in self._held.items():
+            # A learned one is resolved again, by the daemon now serving.
+            rearm = p.Acquire(scope_id, expiration_time, signal, learn=learn)
             self._sendall(sock, frame(_encoder.encode(rearm)))
             self._next_seq += 1
         return sock

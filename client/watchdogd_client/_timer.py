@@ -11,7 +11,10 @@ ends. It differs where torch's hurts:
   the ``with``;
 - without :func:`configure`, the client comes from the environment:
   ``WATCHDOGD_SOCKET``, then ``TORCHELASTIC_TIMER_FILE``;
-- it is a class, so it works as a context manager and as a decorator.
+- it is a class, so it works as a context manager and as a decorator;
+- ``after=LEARN`` (or ``LEARN(initial=600)``) lets the daemon choose the
+  deadline from the scope's history, with no extra round trip (see
+  :class:`~watchdogd_client.Learn`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import sys
 import time
 from types import TracebackType
 
+from . import _faults
 from ._errors import NotConfiguredError, RequestError, WatchdogError
 from ._fifo import FileTimerClient
+from ._learn import Learn
 from ._socket import SocketTimerClient
-from ._timer_client import TimerClient
+from ._timer_client import TimerClient, acquire_learned
 
 __all__ = ["configure", "expires", "get_client"]
 
@@ -62,10 +67,19 @@ def _client_from_environment() -> TimerClient:
 
 
 class expires(contextlib.ContextDecorator):  # noqa: N801 - torch's name
-    """Arm a timer for the enclosed block (or decorated function)."""
+    """Arm a timer for the enclosed block (or decorated function).
+
+    ``device_time``: with torch and CUDA already imported, straggler scores of
+    this scope use the GPU's time of the block (CUDA events), not the host's.
+    """
 
     def __init__(
-        self, after: float, scope: str | None = None, client: TimerClient | None = None
+        self,
+        after: float | Learn,
+        scope: str | None = None,
+        client: TimerClient | None = None,
+        *,
+        device_time: bool = False,
     ) -> None:
         if scope is None:
             caller = sys._getframe(1)
@@ -73,15 +87,27 @@ class expires(contextlib.ContextDecorator):  # noqa: N801 - torch's name
         self._after = after
         self._scope = scope
         self._client = client
+        if device_time:  # the GPU's time of the block scores it (see _device_time)
+            from ._device_time import device_timed
+
+            device_timed(self)
 
     @property
     def scope(self) -> str:
         return self._scope
 
     def __enter__(self) -> None:
+        if _faults.active is not None:
+            self._entered = time.monotonic()
         client = self._client or get_client()
+        after = self._after
         try:
-            client.acquire(self._scope, time.time() + self._after)
+            if not isinstance(after, Learn):
+                client.acquire(self._scope, time.time() + after)
+            elif isinstance(client, TimerClient):
+                client.acquire_learned(self._scope, after.initial)
+            else:  # torch's own client
+                acquire_learned(client, self._scope, after.initial)
         except RequestError:
             # The error belongs to an earlier request; this acquire was
             # delivered, and nobody will release it unless we do.
@@ -95,4 +121,6 @@ class expires(contextlib.ContextDecorator):  # noqa: N801 - torch's name
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if _faults.active is not None:  # an injected slowdown (watchdogd run --inject)
+            _faults.slow_down(self.__dict__.pop("_entered", None))
         (self._client or get_client()).release(self._scope)

@@ -26,7 +26,9 @@ import msgspec
 
 __all__ = [
     "C10dConf",
+    "DeadlineRule",
     "Failure",
+    "Fault",
     "GroupInfo",
     "GroupSpec",
     "GroupState",
@@ -58,6 +60,60 @@ class GroupState(enum.StrEnum):
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
+JobKey = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,128}$")]
+
+
+FaultKind = Literal["hang", "sigstop", "kill", "exit", "slow"]
+
+
+class Fault(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """A fault to inject into global rank ``rank``, ``after`` seconds from the group's start
+    (or from the ``inject`` request), once; handled as the real fault of its kind.
+
+    ``hang``: the rank's next ``expires`` block never ends (its timer expires); ``sigstop``:
+    SIGSTOP; ``kill``: SIGKILL; ``exit``: it exits with ``code``; ``slow``: its ``expires``
+    blocks take ``factor`` times as long.
+    """
+
+    kind: FaultKind
+    rank: NonNegative
+    after: Annotated[float, msgspec.Meta(ge=0, le=1e7)] = 0.0
+    code: Annotated[int, msgspec.Meta(ge=1, le=255)] = 1
+    """``exit``'s status: a failure (0 would be a clean exit)."""
+    factor: Annotated[float, msgspec.Meta(gt=1, le=1000)] = 2.0
+
+
+class DeadlineRule(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How the deadline of ``expires(after=LEARN)`` is learned for the scopes ``scope`` matches.
+
+    Until the current attempt has ``samples`` samples of the scope (every
+    rank's releases but each rank's first ``skip``: compilation, NCCL
+    set-up), the deadline is the call's ``LEARN(initial=...)``, else
+    ``initial``; then ``max(floor, margin * decayed maximum)`` of the
+    durations seen, where the maximum halves every ``half_life`` samples.
+    """
+
+    scope: str
+    """A glob over scope names (``*``, ``?``, ``[seq]``); the first rule that matches applies."""
+    initial: Annotated[float, msgspec.Meta(gt=0, le=1e7)] | None = None
+    samples: PositiveInt = 1000
+    """Samples of the attempt, all ranks together: a slow step that comes once in 200
+    (0.5 %) is among 1,000 with a probability of 99 %."""
+    margin: Annotated[float, msgspec.Meta(gt=1, le=1000)] = 2.0
+    floor: Annotated[float, msgspec.Meta(ge=0, le=1e7)] = 1.0
+    half_life: Annotated[float, msgspec.Meta(ge=1, le=1e12)] = 10_000
+    skip: NonNegative = 1
+    """Each rank's first releases of an attempt that are not learned from."""
+
+    def __post_init__(self) -> None:
+        if not self.scope.strip():
+            raise ValueError("scope: the pattern is empty")
+        in_set = False
+        for char in self.scope:  # a "[" left open would match itself, silently
+            if char in "[]":
+                in_set = char == "["
+        if in_set:
+            raise ValueError(f"scope: {self.scope!r} opens a [ ] set that it never closes")
 
 
 class C10dConf(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -199,6 +255,13 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     idle_timeout: Seconds | None = None
     """A worker that holds no timer this long, after its first one, is treated as hung:
     the daemon arms the timer ``(idle)`` on it whenever it holds none (None: off)."""
+    job_key: JobKey | None = None
+    """What names this job across runs: learned deadlines are saved under it and seed
+    the next run with the same key (None: nothing is saved)."""
+    deadlines: list[DeadlineRule] = []
+    """How this group's learned deadlines are derived, before the daemon's ``[[deadlines]]``."""
+    faults: list[Fault] = []
+    """Faults to inject (``--inject``); refused unless the daemon enables ``fault_injection``."""
     rendezvous: RendezvousSpec = msgspec.field(default_factory=RendezvousSpec)
 
     def __post_init__(self) -> None:
@@ -207,6 +270,13 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(
                 f"virtual_local_rank needs one GPU per worker: nproc {self.nproc}, gpus {self.gpus}"
             )
+        ranks = self.nproc * self.rendezvous.nnodes
+        for index, fault in enumerate(self.faults):
+            if fault.rank >= ranks:
+                raise ValueError(
+                    f"faults[{index}].rank: {fault.rank} is not a rank of this job "
+                    f"(ranks 0..{ranks - 1})"
+                )
         writes_files = self.redirects != "0" or self.tee != "0"
         filters = self.duplicate_stdout_filters or self.duplicate_stderr_filters
         if (writes_files or filters) and self.log_dir is None and self.logs_specs is None:

@@ -33,7 +33,7 @@ import msgspec
 
 from .events import Event
 from .framing import HEADER_SIZE, frame
-from .groups import GroupInfo, GroupSpec
+from .groups import Fault, GroupInfo, GroupSpec
 
 __all__ = [
     "DUMP_MARKER",
@@ -42,6 +42,7 @@ __all__ = [
     "MAX_FRAME_SIZE",
     "PROTOCOL_VERSION",
     "Acquire",
+    "DeviceTime",
     "DumpInfo",
     "DumpList",
     "DumpText",
@@ -53,11 +54,13 @@ __all__ = [
     "GetDump",
     "GetEvents",
     "GetStatus",
+    "GetStragglers",
     "GetTimeline",
     "GpuInfo",
     "GpuProcess",
     "GroupList",
     "Hello",
+    "InjectFault",
     "ListDumps",
     "ListGroups",
     "ListTimers",
@@ -69,6 +72,8 @@ __all__ = [
     "RestartGroup",
     "StatusInfo",
     "StopGroup",
+    "StragglerInfo",
+    "StragglerList",
     "SubmitGroup",
     "Sync",
     "Synced",
@@ -161,12 +166,18 @@ class Acquire(msgspec.Struct, tag="acquire", tag_field="op"):
     defaults to the caller's own (from ``SO_PEERCRED``). A signal ``<= 0``
     records the expiry without killing. A negative ``expiration_time`` is a
     release. Answered only on failure.
+
+    ``learn``: the daemon derives the deadline from the scope's history
+    (``expires(after=LEARN)``); ``expiration_time`` is then the call's
+    initial deadline, used while the scope is still being learned, and
+    ``inf`` when the call gave none.
     """
 
     scope_id: str
     expiration_time: float
     signal: int = _SIGKILL
     pid: int | None = None
+    learn: bool = False
 
 
 class Release(msgspec.Struct, tag="release", tag_field="op"):
@@ -230,6 +241,27 @@ class GetScopes(msgspec.Struct, tag="scopes", tag_field="op"):
     """Answered with :class:`ScopeList`: how long each named scope takes, per job and rank."""
 
 
+class GetStragglers(msgspec.Struct, tag="stragglers", tag_field="op"):
+    """Answered with :class:`StragglerList`: each worker rank's straggler scores per scope.
+
+    ``job``: the whole job of each group with ranks here, every node's ranks
+    as they last published them (multi-node etcd and c10d groups).
+    """
+
+    job: bool = False
+
+
+class DeviceTime(msgspec.Struct, tag="device_time", tag_field="op"):
+    """How long the GPU took for the caller's last completed ``scope_id`` (CUDA events).
+
+    The daemon scores that scope's stragglers on device time instead of host
+    time from then on. Answered only on failure.
+    """
+
+    scope_id: str
+    seconds: float
+
+
 class ListGroups(msgspec.Struct, tag="list_groups", tag_field="op"):
     """Answered with :class:`GroupList`."""
 
@@ -252,9 +284,20 @@ class RestartGroup(msgspec.Struct, tag="restart_group", tag_field="op"):
     name: str
 
 
+class InjectFault(msgspec.Struct, tag="inject", tag_field="op"):
+    """Inject ``fault`` into group ``name`` ``fault.after`` seconds from now (root or the
+    admin group, and only where the config enables ``fault_injection``). Answered with
+    :class:`Ok`."""
+
+    name: str
+    fault: Fault
+
+
 Request = (
     Hello
     | GetScopes
+    | GetStragglers
+    | DeviceTime
     | Acquire
     | Release
     | ReleaseAll
@@ -269,6 +312,7 @@ Request = (
     | SubmitGroup
     | StopGroup
     | RestartGroup
+    | InjectFault
 )
 
 
@@ -340,6 +384,10 @@ class StatusInfo(msgspec.Struct, tag="status_info", tag_field="op", kw_only=True
     signalled: int
     refused: int
     bad_input: int
+    connections_refused: dict[str, int] = {}
+    """Socket connections refused at accept, by the limit they met."""
+    suppressed: dict[str, int] = {}
+    """Events counted but not recorded (over ``max_noisy_events_per_s``), by name."""
     gpus: list[GpuInfo] = []
     gpu_note: str | None = None
     """Why there is no GPU information (no NVML, no driver, no GPU)."""
@@ -423,6 +471,10 @@ class ScopeInfo(msgspec.Struct, kw_only=True):
     max_s: float
     """The maximum, decayed (a half-life of ``scope_stats_half_life`` samples)."""
     mean_s: float
+    deadline_s: float | None = None
+    """What ``expires(after=LEARN)`` arms now (None: no initial yet, or not learned)."""
+    deadline_source: str = ""
+    """Where that comes from: ``learning (K of N)``, ``learned``, ``floor``, …; empty: no LEARN."""
 
 
 class ScopeList(msgspec.Struct, tag="scope_list", tag_field="op"):
@@ -431,6 +483,45 @@ class ScopeList(msgspec.Struct, tag="scope_list", tag_field="op"):
     seq: int
     scopes: list[ScopeInfo]
     refused: int
+
+
+class StragglerInfo(msgspec.Struct, kw_only=True):
+    """One rank's straggler scores for one scope of a worker group, as of its last window."""
+
+    group: str
+    scope: str
+    rank: int
+    """The global rank in ``group``."""
+    uid: int
+    windows: int
+    """Windows of ``straggler_window`` releases completed."""
+    relative: float
+    """The fastest rank's window median / this rank's (0-1, 1: the fastest)."""
+    individual: float
+    """This rank's best window median / its current one (0-1, 1: its best)."""
+    p50_s: float
+    """The median of this rank's last window."""
+    device: bool
+    """Scored on device time (CUDA events the client reported), not host time."""
+    flagged: bool
+    """Flagged by the node that runs the rank (which alone raises its event)."""
+    hostname: str = ""
+    """The node that runs the rank."""
+    node_rank: int = -1
+    """That node's group rank (-1: not known yet, before its first publication)."""
+    stale: bool = False
+    """Its node's summary stopped changing: the scores are that node's last, not rescored."""
+
+
+class StragglerList(msgspec.Struct, tag="straggler_list", tag_field="op"):
+    """Every scored rank the peer may see, and the settings that score them."""
+
+    seq: int
+    stragglers: list[StragglerInfo]
+    window: int
+    threshold: float
+    windows: int
+    """Consecutive windows under ``threshold`` that flag a rank (and above, that clear it)."""
 
 
 class Timeline(msgspec.Struct, tag="timeline", tag_field="op"):
@@ -461,6 +552,7 @@ class Error(msgspec.Struct, tag="error", tag_field="op"):
 Reply = (
     Welcome
     | ScopeList
+    | StragglerList
     | Synced
     | TimerList
     | StatusInfo

@@ -95,7 +95,8 @@ def test_a_worker_idle_past_the_idle_timeout_is_hung_and_one_never_armed_is_not(
     assert out.returncode == 0, out.stderr
     assert time.monotonic() - started < 30
     assert "killed by SIGKILL (watchdogd: timer '(idle)' expired)" in out.stderr
-    assert {"rank 0 attempt 1 ok", "rank 1 attempt 1 ok"} <= set(out.stdout.splitlines())
+    # The ranks write to one console as they like (as under torchrun): no line order.
+    assert "rank 0 attempt 1 ok" in out.stdout and "rank 1 attempt 1 ok" in out.stdout
     assert "rank 0 attempt 0 ok" not in out.stdout
     bad = run("--idle-timeout", "0", worker)
     assert bad.returncode == 2 and "idle_timeout" in bad.stderr

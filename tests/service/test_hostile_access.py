@@ -206,6 +206,8 @@ with wd.SocketTimerClient(sock_path) as c:
         out["socket"][name] = attempt(c, c.acquire_for, pid, "attack-" + name, time.time() + 0.3, 9)
     out["socket"]["release root's timer"] = attempt(c, c.release_for, root_victim, "root-watch")
     out["socket"]["release_all root's"] = attempt(c, c.release_all, root_victim)
+    drill = wd.groups.Fault(kind="kill", rank=0)
+    out["socket"]["inject a fault"] = attempt(c, c.inject_fault, "train", drill)
 lines = b""
 for name, pid in targets["fifo"].items():
     request = {"version": 1, "pid": pid, "scope_id": "fifo-" + name,
@@ -342,6 +344,8 @@ async def test_nobody_cannot_arm_or_disarm_timers_on_other_users_processes(
     assert f"which runs as uid {OTHER_UID}" in by_socket["other-uid"][1]
     assert "protected" in by_socket["init"][1] and "protected" in by_socket["daemon"][1]
     assert "uid 65534 may not" in by_socket["release root's timer"][1]
+    assert by_socket["inject a fault"][0] == "refused"
+    assert "only root and the admin group may" in by_socket["inject a fault"][1]
 
     refused = [m for name, m in events if name == "request_refused"]
     fifo_refused = {m["scope_id"]: m for m in refused if m["via"] == "fifo"}

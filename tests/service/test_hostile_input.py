@@ -10,8 +10,13 @@ by a client that connected as ``nobody``.
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,8 +29,10 @@ import watchdogd_client as wd
 from watchdogd.core.config import Limits
 from watchdogd_client import protocol as p
 
-from ..conftest import fifo_line, fifo_write, running_daemon
+from ..conftest import fifo_line, fifo_write, running_daemon, wait_for
 from ..hostile import (
+    NOBODY,
+    NobodyDialer,
     arm_error,
     call,
     capture_events,
@@ -126,6 +133,157 @@ async def test_connection_beyond_max_connections_gets_an_error_with_seq_minus_on
         finally:
             for sock in held:
                 sock.close()
+
+
+def greet(sock: socket.socket) -> None:
+    sock.settimeout(5)
+    sock.sendall(HELLO)
+    assert isinstance(receive(sock), p.Welcome)
+
+
+@pytest.mark.anyio
+async def test_connections_past_max_connections_per_uid_are_refused_and_root_is_not_held(
+    short_dir: Path,
+) -> None:
+    """nobody's third connection (cap 2) gets Error(-1, limit_exceeded) and an event; root
+    opens more than the cap; a closed connection frees its place."""
+    os.chmod(short_dir, 0o755)  # nobody must reach the socket
+    limits = Limits(max_connections_per_uid=2)
+    async with running_daemon(short_dir, socket_mode=0o666, limits=limits) as daemon:
+        events = capture_events(daemon)
+        dialer = await call(NobodyDialer, daemon.socket_path)
+        held: list[socket.socket] = []
+        try:
+            for _ in range(2):
+                held.append(await call(dialer.connect))
+                await call(greet, held[-1])
+            with await call(dialer.connect) as extra:
+                extra.settimeout(5)
+                reply = await call(receive, extra)
+                assert isinstance(reply, p.Error)
+                assert (reply.seq, reply.code) == (-1, "limit_exceeded")
+                assert f"uid {NOBODY}" in reply.message
+                assert "max_connections_per_uid 2" in reply.message
+                assert await call(receive, extra) is None  # closed
+            for _ in range(3):  # root: past the per-uid cap
+                held.append(await call(greeted, daemon.socket_path))
+            assert daemon.socket_front.per_uid == {NOBODY: 2, 0: 3}
+            held.pop(0).close()
+            await wait_for(lambda: daemon.socket_front.per_uid[NOBODY] == 1)
+            held.append(await call(dialer.connect))
+            await call(greet, held[-1])
+            status = await call(wd.status, str(daemon.socket_path))
+            table = await call(watchdogctl_status, daemon.socket_path)
+        finally:
+            for sock in held:
+                sock.close()
+            await call(dialer.close)
+    assert status.connections_refused == {"max_connections_per_uid": 1}
+    assert re.search(r"^connections refused max_connections_per_uid +1$", table, re.M), table
+    refused = [m for name, m in events if name == "connection_refused"]
+    assert [(m["uid"], m["limit"]) for m in refused] == [(NOBODY, "max_connections_per_uid")]
+    assert daemon.stats.connections_refused == {"max_connections_per_uid": 1}
+
+
+def watchdogctl_status(socket_path: Path) -> str:
+    ctl = [sys.executable, "-m", "watchdogd.cli.ctl", "--socket", str(socket_path), "status"]
+    return subprocess.run(ctl, capture_output=True, text=True, check=True, timeout=30).stdout
+
+
+RATE = 5
+
+
+def junk_burst(dialer: NobodyDialer, frames: int) -> int:
+    """``frames`` empty frames (each a bad_request) from nobody; the error replies it got."""
+    conn = dialer.connect()
+    with conn:
+        (output,) = exchange([(conn, HELLO + b"\0\0\0\0" * frames)])
+    return sum(isinstance(r, p.Error) for r in parse_replies(output))
+
+
+@pytest.mark.anyio
+async def test_a_flood_of_bad_frames_yields_rate_events_a_second_and_a_summary_of_the_rest(
+    short_dir: Path,
+) -> None:
+    """Bursts of junk over ~2 s: at most RATE bad_input events and one bad_input_suppressed
+    in any second; the summaries' counts and the events add up to every frame, all counted."""
+    os.chmod(short_dir, 0o755)
+    limits = Limits(max_noisy_events_per_s=RATE)
+    async with running_daemon(short_dir, socket_mode=0o666, limits=limits) as daemon:
+        dialer = await call(NobodyDialer, daemon.socket_path)
+        try:
+            errors = 0
+            for pause in (0.0, 0.4, 0.8, 0.4):
+                await anyio.sleep(pause)
+                errors += await call(junk_burst, dialer, 300)
+        finally:
+            await call(dialer.close)
+        assert errors == 1200  # every frame still answered
+        await anyio.sleep(1.2)  # the last summary is due
+        noisy = [
+            e
+            for e in daemon.events.since()
+            if e.name in ("bad_input", "bad_input_suppressed") and e.metadata["uid"] == NOBODY
+        ]
+        assert daemon.stats.bad_input == 1200
+        status = await call(wd.status, str(daemon.socket_path))
+    recorded = [e for e in noisy if e.name == "bad_input"]
+    summaries = [e for e in noisy if e.name == "bad_input_suppressed"]
+    assert len(recorded) + sum(int(e.metadata["count"]) for e in summaries) == 1200
+    assert len(summaries) >= 2  # the bursts span more than one window
+    assert all(e.metadata["via"] == "socket" for e in summaries)
+    assert daemon.stats.suppressed["bad_input"] == 1200 - len(recorded)
+    assert status.suppressed == {"bad_input": 1200 - len(recorded)}
+    for first in noisy:
+        window = [e for e in noisy if first.timestamp <= e.timestamp < first.timestamp + 1000]
+        assert sum(e.name == "bad_input" for e in window) <= RATE
+        assert len(window) <= RATE + 1, [(e.name, e.timestamp) for e in window]
+
+
+@pytest.mark.anyio
+async def test_a_fifo_flood_is_summarised_too_and_root_socket_events_are_not_held_back(
+    short_dir: Path,
+) -> None:
+    """The FIFO is one source (it has no uid); another source's events are still recorded."""
+    limits = Limits(max_noisy_events_per_s=RATE)
+    async with running_daemon(short_dir, limits=limits) as daemon:
+        fifo_write(daemon.fifo_path, b"x\n" * 500)
+        await wait_for(lambda: daemon.stats.bad_input == 500)
+        with wd.SocketTimerClient(daemon.socket_path) as c, pytest.raises(wd.RequestError):
+            await call(c.acquire_for, 1, "protected", time.time() + 60, 9)
+            await call(c.sync)
+        await wait_for(
+            lambda: any(e.name == "bad_input_suppressed" for e in daemon.events.since()), 3
+        )
+        events = daemon.events.since()
+    fifo = [e for e in events if e.name.startswith("bad_input")]
+    assert [e.name for e in fifo].count("bad_input") == RATE
+    (summary,) = (e for e in fifo if e.name == "bad_input_suppressed")
+    assert summary.metadata == {"via": "fifo", "uid": None, "count": 500 - RATE, "window_s": 1.0}
+    (refused,) = (e for e in events if e.name == "request_refused")
+    assert (refused.metadata["uid"], refused.metadata["pid"]) == (0, 1)
+
+
+@pytest.mark.anyio
+async def test_bad_input_leaves_no_cyclic_garbage(short_dir: Path) -> None:
+    """A bad line or frame frees what it made at once: an exception kept past its except
+    block makes a cycle with its traceback, and a flood of them ran the collector ~4 times
+    a second at ~2 ms a pause, on the loop."""
+    async with running_daemon(short_dir) as daemon:
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            fifo_write(daemon.fifo_path, b"x\n" * 200 + b'{"version": 1}\n' * 200)
+            with await call(raw_connect, daemon.socket_path) as sock:
+                (output,) = await call(exchange, [(sock, HELLO + b"\0\0\0\0" * 200)])
+            await wait_for(lambda: daemon.stats.bad_input == 600)
+            gc.collect()
+            errors = [o for o in gc.garbage if isinstance(o, BaseException)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert len(parse_replies(output)) == 201
+    assert errors == []
 
 
 @pytest.mark.anyio

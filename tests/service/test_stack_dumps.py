@@ -18,7 +18,7 @@ import pytest
 from watchdogd.linux.stacks import _Capture
 from watchdogd_client.protocol import DUMP_MARKER
 
-from ..conftest import exit_code, python, running_daemon
+from ..conftest import big_heap, exit_code, python, running_daemon, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -196,8 +196,32 @@ async def test_a_client_marks_its_dumps_when_connected_from_the_main_thread(
         assert marker is (thread == "main")
         assert await exit_code(child) == -signal.SIGKILL
         child.stdout.close()
+        await wait_for(lambda: any(e.name == "timer_expired" for e in daemon.events.since()))
         (expired,) = [e for e in daemon.events.since() if e.name == "timer_expired"]
         dump_id = expired.metadata["dump"]
         assert isinstance(dump_id, str)
         found = await anyio.to_thread.run_sync(daemon.stacks.read, dump_id)
         assert found is not None and "in hung_here" in found[1]
+
+
+async def test_a_py_spy_capture_does_not_stall_the_loop_of_a_big_daemon(short_dir: Path) -> None:
+    # Forking a 400 MB process on the loop's thread (the loop's own spawn)
+    # stalled it for ~35 ms; started from a thread, with vfork, ~1 ms.
+    with big_heap(400):
+        await _expire_with_a_py_spy_dump(short_dir)
+
+
+async def _expire_with_a_py_spy_dump(short_dir: Path) -> None:
+    async with running_daemon(short_dir, stack_dumps="py-spy", max_stall=0.02) as daemon:
+        child = python(
+            f"""
+            import time, watchdogd_client as wd
+            wd.configure(wd.FileTimerClient({str(daemon.fifo_path)!r}))
+            with wd.expires(after=0.3):
+                time.sleep(60)
+            """
+        )
+        assert await exit_code(child) == -signal.SIGKILL
+        await wait_for(lambda: any(e.name == "timer_expired" for e in daemon.events.since()))
+        (expired,) = [e for e in daemon.events.since() if e.name == "timer_expired"]
+        assert expired.metadata["action"] == "signalled"

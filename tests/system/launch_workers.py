@@ -15,10 +15,17 @@ def rank_and_args(*args: Any) -> tuple[int, int, tuple[Any, ...]]:
 
 
 def fails_once(marker_dir: str) -> str:
-    """Rank 1 raises on the first attempt; every rank says which attempt it saw."""
+    """Rank 1 raises on the first attempt; every rank says which attempt it saw.
+
+    Rank 1 waits for rank 0's marker before it raises: otherwise its failure
+    can stop rank 0 before rank 0 has run at all.
+    """
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     Path(marker_dir, f"{os.environ['RANK']}-{attempt}").touch()
     if os.environ["RANK"] == "1" and attempt == "0":
+        deadline = time.monotonic() + 20
+        while not Path(marker_dir, "0-0").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise RuntimeError("rank 1 gives up on attempt 0")
     return f"attempt {attempt}"
 

@@ -62,11 +62,11 @@ def _kill_nodes() -> Iterator[None]:
 
 
 class Job:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, code: str = WORKER) -> None:
         self.endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
         self.run_id = f"job-{uuid.uuid4().hex[:8]}"
         self.worker = tmp_path / "worker.py"
-        self.worker.write_text(WORKER)
+        self.worker.write_text(code)
         self.out = tmp_path / "out"
         self.out.mkdir()
 
@@ -225,3 +225,47 @@ def test_a_bad_rdzv_conf_value_is_a_usage_error_naming_the_key() -> None:
     )
     assert out.returncode == 2
     assert "--rdzv-conf" in out.stderr and "join_timeout" in out.stderr
+
+
+# One rank per node releases "compute" until told to stop; node 1's takes twice as long,
+# which node 1 cannot see alone (its only rank is its own fastest).
+SLOW_NODE = """
+import os, sys, time
+import watchdogd_client as wd
+out = sys.argv[1]
+node = os.environ["GROUP_RANK"]
+path = os.path.join(out, f"node{node}.sock")
+with open(path + ".tmp", "w") as f:
+    f.write(os.environ["WATCHDOGD_SOCKET"])
+os.rename(path + ".tmp", path)
+hold = 0.1 if node == "1" else 0.05
+while not os.path.exists(os.path.join(out, "stop")):
+    with wd.expires(after=30, scope="compute"):
+        time.sleep(hold)
+"""
+
+
+def test_straggler_summaries_go_through_the_store_both_ways(tmp_path: Path) -> None:
+    job = Job(tmp_path, SLOW_NODE)
+    flags = ["--straggler-window=5", "--straggler-publish-interval=0.2"]
+    nodes = [job.node(WATCHDOGD, "2", 0, *flags) for _ in range(2)]
+    wait_until(lambda: all((job.out / f"node{i}.sock").exists() for i in range(2)), timeout=90)
+    sock0 = (job.out / "node0.sock").read_text()
+
+    def ranks() -> dict[int, dict[str, object]]:
+        done = subprocess.run(
+            ["watchdogctl", "--socket", sock0, "stragglers", "--job", "--json"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )  # fmt: skip
+        return {s["rank"]: s for s in json.loads(done.stdout)["stragglers"]}
+
+    deadline = time.monotonic() + 30
+    # Flagged: node 0's summary reached node 1 (its yardstick), and node 1's came back.
+    while not ranks().get(1, {}).get("flagged"):
+        assert time.monotonic() < deadline, ranks()
+        time.sleep(0.2)
+    seen = ranks()
+    assert [(seen[r]["node_rank"], seen[r]["stale"]) for r in (0, 1)] == [(0, False), (1, False)]
+    assert seen[1]["uid"] == -1 and seen[1]["hostname"]
+    (job.out / "stop").touch()
+    assert finish(*nodes) == [0, 0], [p.stderr.read() if p.stderr else "" for p in nodes]

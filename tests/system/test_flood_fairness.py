@@ -27,9 +27,9 @@ import watchdogd_client as wd
 from watchdogd.core.config import PolicyConfig
 from watchdogd_client import protocol as p
 
-from ..conftest import running_daemon
+from ..conftest import fifo_write, running_daemon, wait_for
 from ..hostile import NOBODY, call, needs_root, sleeper
-from ..wire import HELLO
+from ..wire import HELLO, exchange, parse_replies, raw_connect
 
 pytestmark = needs_root
 
@@ -146,3 +146,29 @@ async def test_flood_from_nobody_never_delays_a_kill(
             root.close()
     assert max(latencies) < KILL_BOUND, [f"{t * 1000:.0f} ms" for t in latencies]
     assert served > 1000, "the flood did not reach the daemon"
+
+
+@pytest.mark.anyio
+async def test_the_fronts_look_for_passed_deadlines_every_16_requests_and_lines(
+    short_dir: Path,
+) -> None:
+    """A kill waits for a few requests of a flood, not for a turn per flooding connection:
+    the socket and FIFO fronts expire what is due themselves, within their turns."""
+    async with running_daemon(short_dir, stack_dumps="off") as daemon:
+        checks = 0
+        expire_due = daemon.timers.expire_due
+
+        def counted() -> None:
+            nonlocal checks
+            checks += 1
+            expire_due()
+
+        daemon.timers.expire_due = counted  # type: ignore[method-assign]
+        with await call(raw_connect, daemon.socket_path) as sock:
+            (output,) = await call(exchange, [(sock, HELLO + JUNK * 1600)])
+        assert len(parse_replies(output)) == 1601
+        socket_checks, checks = checks, 0
+        fifo_write(daemon.fifo_path, FIFO_JUNK * 1600)
+        await wait_for(lambda: daemon.stats.bad_input == 3200)
+    assert socket_checks >= 1600 // 16
+    assert checks >= 1600 // 16

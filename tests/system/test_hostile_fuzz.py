@@ -466,6 +466,7 @@ def test_fifo_fuzz_costs_nothing(short_dir: Path) -> None:
         [limits]
         max_line = {max_line}
         max_timers_per_pid = 50
+        max_noisy_events_per_s = 1000000  # every refusal recorded: the sentinels' are read
         [policy]
         fifo_allowed_uids = [{NOBODY}]
     """

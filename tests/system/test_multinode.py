@@ -16,9 +16,9 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -57,11 +57,13 @@ def node(
     *extra: str,
     net: Subnet | None = None,
     endpoint: str | None = None,
+    code: str = WORKER,
 ) -> subprocess.Popen[str]:
     """A node: ``watchdogd run`` here, or inside ``net``'s namespace at its own address;
-    ``endpoint``: etcd's, when reached another way. ``want`` 0: the workers never end."""
+    ``endpoint``: etcd's, when reached another way. ``want`` 0: the workers never end.
+    ``code``: the workers' script (``WORKER``: each reports its variables)."""
     worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
+    worker.write_text(code)
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     address, prefix = "127.0.0.1", []
@@ -307,3 +309,78 @@ def test_a_node_whose_etcd_path_stalls_fences_itself_then_rejoins(
     text = events.read_text()
     assert "rdzv_unfenced" in text and "rdzv_fenced" in text
     assert here.poll() is None and away.poll() is None
+
+
+# Each rank releases "compute" until told to stop; node 1 is a slow host (both its ranks
+# take twice as long), which node 1 alone cannot see: its ranks are alike.
+SLOW_NODE = """
+import os, sys, time
+import watchdogd_client as wd
+out = sys.argv[1]
+node = os.environ["GROUP_RANK"]
+path = os.path.join(out, f"node{node}.sock")
+with open(path + f".{os.getpid()}", "w") as f:
+    f.write(os.environ["WATCHDOGD_SOCKET"])
+os.rename(path + f".{os.getpid()}", path)
+hold = 0.1 if node == "1" else 0.05
+while not os.path.exists(os.path.join(out, "stop")):
+    with wd.expires(after=30, scope="compute"):
+        time.sleep(hold)
+"""
+
+
+def ctl(sock: str, *args: str) -> str:
+    done = subprocess.run(["watchdogctl", "--socket", sock, *args],
+                          capture_output=True, text=True, timeout=10, check=True)  # fmt: skip
+    return done.stdout
+
+
+def poll(predicate: Callable[[], bool], timeout: float) -> None:
+    """``predicate`` true within ``timeout``, asked every 0.2 s (it runs a command)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
+
+
+def test_a_slow_node_is_flagged_by_itself_and_shown_on_the_other(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    run = f"job-{uuid.uuid4().hex[:8]}"
+    flags = ["--nproc-per-node", "2", "--straggler-window", "5",
+             "--straggler-publish-interval", "0.2"]  # fmt: skip
+    logs = [tmp_path / f"events{i}.jsonl" for i in range(2)]
+    nodes = [node(etcd, run, tmp_path, "2", 0, *flags, "--event-log", str(log), code=SLOW_NODE)
+             for log in logs]  # fmt: skip
+    out = tmp_path / "out"
+    wait_until(lambda: all((out / f"node{i}.sock").exists() for i in range(2)), timeout=30)
+    sock0, sock1 = ((out / f"node{i}.sock").read_text() for i in range(2))
+
+    def job() -> dict[int, dict[str, Any]]:
+        listing = json.loads(ctl(sock0, "stragglers", "--job", "--json"))["stragglers"]
+        return {s["rank"]: s for s in listing}
+
+    poll(lambda: [r for r, s in job().items() if s["flagged"]] == [2, 3], timeout=30)
+    ranks = job()
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert [ranks[r]["node_rank"] for r in range(4)] == [0, 0, 1, 1]
+    assert all(ranks[r]["relative"] < 0.85 and not ranks[r]["stale"] for r in (2, 3))
+    assert [ranks[r]["uid"] >= 0 for r in range(4)] == [True, True, False, False]
+    table = ctl(sock0, "stragglers", "--job")
+    rows = [line.split() for line in table.splitlines() if "STRAGGLER" in line.split()]
+    assert [(row[2], row[3]) for row in rows] == [("2", "1"), ("3", "1")]  # RANK, NODE
+    # Node 0's own listing has its ranks only; node 1 scored its ranks on the job's yardstick.
+    assert sorted(
+        s["rank"] for s in json.loads(ctl(sock0, "stragglers", "--json"))["stragglers"]
+    ) == [0, 1]
+    (out / "stop").touch()
+    assert finish(*nodes) == [0, 0]
+    # The straggler event is raised by the node that runs the rank, and only there.
+    by_socket = {_socket_of(log): log for log in logs}
+
+    def flagged_in(log: Path) -> list[int]:
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+        return sorted(e["metadata"]["rank"] for e in events if e["name"] == "straggler")
+
+    assert flagged_in(by_socket[sock0]) == []
+    assert flagged_in(by_socket[sock1]) == [2, 3]

@@ -128,7 +128,8 @@ def test_events_follow_sees_an_expiry_as_it_happens(short_dir: Path) -> None:
 def test_a_slow_follower_loses_events_not_the_daemon(short_dir: Path) -> None:
     sock = short_dir / "watchdogd.sock"
     config = short_dir / "watchdogd.toml"
-    config.write_text("log_level = 'warning'\n")
+    # Every refusal an event (no rate limit): a flood of them for the follower to miss.
+    config.write_text("log_level = 'warning'\n[limits]\nmax_noisy_events_per_s = 1000000\n")
     with serve(short_dir, "--config", str(config)):
         client = wd.SocketTimerClient(sock, name="slow-follower")
         batches = client.events(follow=True)

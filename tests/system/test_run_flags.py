@@ -126,6 +126,16 @@ def test_signals_to_handle_must_name_signals() -> None:
     assert out.returncode == 2 and "SIGKILL cannot be handled" in out.stderr
 
 
+def test_straggler_flags_are_checked_as_the_config_keys_are() -> None:
+    out = run("--straggler-publish-interval", "0.01", "--no-python", "true")
+    assert out.returncode == 2
+    assert "straggler_publish_interval: Expected `float` >= 0.1" in out.stderr
+    out = run("--straggler-window", "1", "--no-python", "true")
+    assert out.returncode == 2 and "straggler_window" in out.stderr
+    out = run("--straggler-window", "5", "--straggler-publish-interval", "1", "--no-python", "true")
+    assert out.returncode == 0, out.stderr
+
+
 # -- TORCHELASTIC_ERROR_FILE without --log-dir ----------------------------------------
 
 ERROR_WRITER = """
@@ -145,6 +155,25 @@ if attempt == "0" and rank == "1":
         json.dump({"message": {"message": "RuntimeError: boom", "extraInfo": {}}}, f)
     sys.exit(3)
 """
+
+
+NICE_REPORTER = """
+    import os
+    def nice(stat):  # field 19; the command name before it may hold spaces
+        return int(open(stat).read().rpartition(")")[2].split()[16])
+    launcher = os.getppid()  # its loop runs on its main thread, whose tid is its pid
+    others = {nice(f"/proc/{launcher}/task/{tid}/stat")
+              for tid in os.listdir(f"/proc/{launcher}/task") if tid != str(launcher)}
+    print(f"worker={nice('/proc/self/stat')} loop={nice(f'/proc/{launcher}/stat')} "
+          f"others={sorted(others)}")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs CAP_SYS_NICE")
+def test_the_loop_runs_above_the_workers_which_start_at_nice_0(tmp_path: Path) -> None:
+    out = run("--nproc-per-node", "1", script(tmp_path, NICE_REPORTER))
+    assert out.returncode == 0, out.stderr
+    assert "worker=0 loop=-10 others=[0]" in out.stdout, out.stdout
 
 
 def test_every_worker_gets_an_error_file_per_attempt_without_a_log_dir(tmp_path: Path) -> None:

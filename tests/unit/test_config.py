@@ -28,6 +28,11 @@ def write(tmp_path: Path, text: str) -> Path:
         ("[policy]\nprotected_pids = [0]\n", "policy.protected_pids[0]"),
         ("log_level = 'loud'\n", "log_level"),
         ("sockett = '/x'\n", "sockett"),
+        ("straggler_threshold = 1.5\n", "straggler_threshold"),
+        ("straggler_threshold = 0\n", "straggler_threshold"),
+        ("straggler_window = 1\n", "straggler_window"),
+        ("straggler_windows = 0\n", "straggler_windows"),
+        ("straggler_publish_interval = 0.01\n", "straggler_publish_interval"),
     ],
 )
 def test_errors_name_the_key(tmp_path: Path, text: str, key: str) -> None:

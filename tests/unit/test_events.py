@@ -8,6 +8,8 @@ import logging
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from watchdogd_client import events
 from watchdogd_client import protocol as p
@@ -92,3 +94,19 @@ def test_a_rendezvous_handler_provided_the_torch_way_records() -> None:
         events._log_handlers["dynamic_rendezvous"] = original
     assert [json.loads(line)["message"] for line in seen] == ["joined"]
     assert json.loads(seen[0])["name"] == "test_a_rendezvous_handler_provided_the_torch_way_records"
+
+
+_metadata_values = st.none() | st.booleans() | st.integers() | st.floats() | st.text()
+
+
+@given(
+    st.text(),
+    st.sampled_from(EventSource),
+    st.integers(min_value=0),
+    st.dictionaries(st.text(), _metadata_values),
+)
+def test_serialize_is_torchs_json_dumps_of_asdict_for_any_event(
+    name: str, source: EventSource, timestamp: int, metadata: dict[str, object]
+) -> None:
+    event = Event(name, source, timestamp, metadata)  # type: ignore[arg-type]
+    assert event.serialize() == json.dumps(dataclasses.asdict(event))

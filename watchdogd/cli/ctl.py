@@ -20,6 +20,7 @@ import msgspec
 from tabulate import tabulate
 
 from watchdogd.cli.timeline import write_trace
+from watchdogd.core.faults import parse_fault
 from watchdogd.core.flight_recorder import (
     TRACE_COLUMNS,
     TraceError,
@@ -89,14 +90,64 @@ def cmd_scopes(client: SocketTimerClient, args: argparse.Namespace) -> None:
         print("no scope released yet")
     else:
         rows = [
-            (s.job or "-", s.rank, s.scope, s.count, _ms(s.p50_s), _ms(s.p99_s), _ms(s.max_s))
+            (
+                s.job or "-",
+                s.rank,
+                s.scope,
+                s.count,
+                _ms(s.p50_s),
+                _ms(s.p99_s),
+                _ms(s.max_s),
+                "-" if s.deadline_s is None else f"{s.deadline_s:.3f}",
+                s.deadline_source or "-",
+            )
             for s in listing.scopes
         ]
         headers = ["JOB", "RANK", "SCOPE", "COUNT", "P50 (ms)", "P99 (ms)", "MAX (ms)"]
-        print(tabulate(rows, headers=headers))
-        print("(RANK is the pid outside a worker group; MAX decays)")
+        print(tabulate(rows, headers=[*headers, "LEARN DEADLINE (s)", "FROM"]))
+        print("(RANK is the pid outside a worker group; MAX decays; LEARN: expires(after=LEARN))")
     if listing.refused:
         print(f"{listing.refused} samples refused: too many distinct scopes (limits.max_scope_*)")
+
+
+def cmd_stragglers(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """Straggler scores per scope of each worker group's ranks (flagged ones marked)."""
+    listing = client.stragglers(job=args.job)
+    if args.json:
+        ranks = [msgspec.structs.asdict(s) for s in listing.stragglers]
+        settings = {"window": listing.window, "threshold": listing.threshold}
+        _print_json({"stragglers": ranks, **settings, "windows": listing.windows})
+        return
+    if not listing.stragglers:
+        print(f"no rank has completed a window of {listing.window} releases yet")
+        return
+    rows = [
+        (
+            s.group,
+            s.scope,
+            s.rank,
+            *((_node(s), s.hostname or "-") if args.job else ()),
+            "stale" if s.stale else f"{s.relative:.2f}",
+            f"{s.individual:.2f}",
+            s.windows,
+            _ms(s.p50_s) + (" (device)" if s.device else ""),
+            "STRAGGLER" if s.flagged else "",
+        )
+        for s in listing.stragglers
+    ]
+    node = ["NODE", "HOST"] if args.job else []
+    headers = ["GROUP", "SCOPE", "RANK", *node, "RELATIVE", "INDIVIDUAL", "WINDOWS", "P50 (ms)"]
+    print(tabulate(rows, headers=[*headers, "FLAGGED"]))
+    print(
+        f"(scores over windows of {listing.window} releases, every {max(1, listing.window // 2)}; "
+        f"flagged under {listing.threshold} for {listing.windows} scorings in a row)"
+    )
+    if args.job:
+        print("(NODE: the group rank of the node that runs the rank and flags it)")
+
+
+def _node(info: p.StragglerInfo) -> str:
+    return "-" if info.node_rank < 0 else str(info.node_rank)
 
 
 def _ms(seconds: float) -> str:
@@ -111,10 +162,11 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
     if args.json:
         _print_json(info)
         return
-    requests = info.pop("requests")
+    counters = {key: info.pop(key) for key in ("requests", "connections_refused", "suppressed")}
     gpus, gpu_note = info.pop("gpus"), info.pop("gpu_note")
     rows = [(key.replace("_", " "), value) for key, value in info.items()]
-    rows += [(f"requests {name}", count) for name, count in sorted(requests.items())]
+    for key, counts in counters.items():
+        rows += [(f"{key.replace('_', ' ')} {name}", n) for name, n in sorted(counts.items())]
     print(tabulate(rows, tablefmt="plain"))
     for group in client.list_groups():
         rdzv = group.rendezvous
@@ -154,7 +206,7 @@ def _fenced(since: float | None) -> str:
 
 
 def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
-    """List worker groups: state, attempt, restarts left, workers, warm spares, last failure."""
+    """List worker groups: state, attempt, restarts left, workers, spares, failure, stragglers."""
     groups = client.list_groups()
     if args.json:
         _print_json([msgspec.structs.asdict(g) for g in groups])
@@ -162,6 +214,10 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
     if not groups:
         print("no worker groups")
         return
+    stragglers: dict[str, set[int]] = {}
+    for ranked in client.stragglers().stragglers:
+        if ranked.flagged:
+            stragglers.setdefault(ranked.group, set()).add(ranked.rank)
     rows = []
     for group in groups:
         workers = " ".join(
@@ -183,10 +239,11 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
                 workers,
                 spares,
                 f"rank {failure.rank}: {failure.reason}" if failure else "",
+                " ".join(str(rank) for rank in sorted(stragglers.get(group.name, ()))),
             )
         )
     headers = ["GROUP", "STATE", "ATTEMPT", "RESTARTS LEFT", "RANK:PID", "SPARES (RANK:PID RSS)",
-               "LAST FAILURE"]  # fmt: skip
+               "LAST FAILURE", "STRAGGLERS"]  # fmt: skip
     print(tabulate(rows, headers=headers))
 
 
@@ -209,6 +266,15 @@ def cmd_stop(client: SocketTimerClient, args: argparse.Namespace) -> None:
 def cmd_restart(client: SocketTimerClient, args: argparse.Namespace) -> None:
     """Restart a group's workers now, without spending one of its restarts."""
     print(client.restart_group(args.name))
+
+
+def cmd_inject(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """Inject a fault into a group's rank, as a drill (the config must enable it)."""
+    try:
+        fault = parse_fault(args.fault)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(client.inject_fault(args.name, fault))
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -343,6 +409,7 @@ class UsageError(Exception):
 COMMANDS = {
     "timers": cmd_timers,
     "scopes": cmd_scopes,
+    "stragglers": cmd_stragglers,
     "status": cmd_status,
     "groups": cmd_groups,
     "events": cmd_events,
@@ -351,6 +418,7 @@ COMMANDS = {
     "submit": cmd_submit,
     "stop": cmd_stop,
     "restart": cmd_restart,
+    "inject": cmd_inject,
 }
 
 
@@ -376,8 +444,14 @@ def _parser() -> argparse.ArgumentParser:
     subs["dump"].add_argument(
         "--raw", action="store_true", help="with --trace: the trace as the rank wrote it (pickle)"
     )
-    for name in ("timers", "scopes", "status", "groups", "events", "dumps", "dump"):
+    for name in ("timers", "scopes", "stragglers", "status", "groups", "events", "dumps", "dump"):
         subs[name].add_argument("--json", action="store_true", help="print JSON, not a table")
+    subs["stragglers"].add_argument(
+        "--job",
+        action="store_true",
+        help="every node's ranks of the job, as each node last published them (etcd, c10d), "
+        "scored against the job's fastest rank, with NODE and HOST columns",
+    )
     subs["events"].add_argument("--since", metavar="T", help="30s, 5m, 2h, 1d ago, or epoch secs")
     subs["events"].add_argument("--limit", type=int, metavar="N", help="at most the last N")
     subs["events"].add_argument("--follow", "-f", action="store_true", help="keep printing")
@@ -385,8 +459,14 @@ def _parser() -> argparse.ArgumentParser:
         "--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of the job's timeline"
     )
     subs["submit"].add_argument("spec", metavar="SPEC.toml", help="a group spec (see README)")
-    for name in ("stop", "restart"):
+    for name in ("stop", "restart", "inject"):
         subs[name].add_argument("name", metavar="NAME", help="the group's name")
+    subs["inject"].add_argument(
+        "fault",
+        metavar="FAULT",
+        help="KIND[:VALUE]:rank=R[:after=S]: hang, sigstop, kill, exit[:CODE], slow[:FACTOR]; "
+        "e.g. hang:rank=1:after=30",
+    )
     return parser
 
 

@@ -26,14 +26,15 @@ from functools import partial
 import msgspec
 
 from watchdogd.cli.timeline import write_trace
-from watchdogd.core.config import Config, ConfigError
+from watchdogd.core.config import Config, ConfigError, override
+from watchdogd.core.faults import parse_fault
 from watchdogd.core.numa import AFFINITY_MODES
 from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd.daemon import Daemon
 from watchdogd.foreground import run_group
 from watchdogd.groups.runner import GroupRunner, visible_gpus
 from watchdogd.linux.plugins import LOGS_SPECS_GROUP, has_entry_point, not_found
-from watchdogd_client.groups import C10dConf, GroupSpec, GroupState
+from watchdogd_client.groups import C10dConf, DeadlineRule, Fault, GroupSpec, GroupState
 
 __all__ = ["add_run_arguments", "run", "spec_from_args"]
 
@@ -110,6 +111,21 @@ def add_run_arguments(
     flag("--idle-timeout", type=float, default=None, metavar="SECONDS",
           help="a worker holding no timer this long (after its first) is hung: dump, kill, "
           "restart (default: off)")  # fmt: skip
+    flag("--job-key", default=None, metavar="KEY",
+          help="names this job across runs: learned deadlines are saved under it and "
+          "seed the next run with the same key (default: nothing saved)")  # fmt: skip
+    flag("--deadline", action="append", default=[], metavar="PATTERN[:K=V,...]",
+          help="how LEARN deadlines are derived for the scopes PATTERN matches, e.g. "
+          "'step:initial=600,samples=200,margin=2,floor=1,skip=1'; repeatable, first "
+          "match wins")  # fmt: skip
+    flag("--inject", action="append", default=[], metavar="FAULT",
+          help="a drill: inject KIND[:VALUE]:rank=R[:after=S] once (hang, sigstop, kill, "
+          "exit[:CODE], slow[:FACTOR]; e.g. hang:rank=1:after=30); repeatable")  # fmt: skip
+    flag("--straggler-window", type=int, default=None, metavar="N",
+          help="releases of a rank's scope per straggler window (default 50)")  # fmt: skip
+    flag("--straggler-publish-interval", type=float, default=None, metavar="SECONDS",
+          help="multi-node jobs: seconds between this node's straggler summaries to the "
+          "rendezvous store (default 10; the same on every node)")  # fmt: skip
     flag("--signals-to-handle", default=DEFAULT_SIGNALS,
           help="passed to the workers, stopping the group (default %(default)s)")  # fmt: skip
     flag("--no-python", action="store_true", help="run SCRIPT as a program")
@@ -209,6 +225,34 @@ def logs_specs_name(name: str | None) -> str | None:
 
 def _comma_list(value: str) -> list[str]:
     return [item for item in value.split(",") if item]
+
+
+def _fault(text: str) -> Fault:
+    try:
+        return parse_fault(text)
+    except ValueError as e:
+        raise ValueError(f"--inject {e}") from None
+
+
+def _deadline_rule(value: str) -> DeadlineRule:
+    """``--deadline PATTERN[:KEY=VALUE,...]``; ValueError names what is wrong.
+
+    The settings follow the last colon, so a pattern may hold colons of its own
+    (``train.py:42``, the default scope of a line).
+    """
+    pattern, colon, settings = value.rpartition(":")
+    if not colon or "=" not in settings:
+        pattern, settings = value, ""
+    fields = {"scope": pattern}
+    for setting in _comma_list(settings):
+        key, equals, number = setting.partition("=")
+        if not equals or key == "scope":
+            raise ValueError(f"--deadline {value!r}: {setting!r} is not KEY=VALUE")
+        fields[key] = number
+    try:
+        return msgspec.convert(fields, DeadlineRule, strict=False)  # "600" is 600
+    except msgspec.ValidationError as e:
+        raise ValueError(f"--deadline {value!r}: {e}") from None
 
 
 _RDZV_CONF = {
@@ -350,6 +394,9 @@ def spec_from_args(args: argparse.Namespace) -> GroupSpec:
                 "prewarm": _comma_list(args.prewarm),
                 "flight_recorder": args.flight_recorder,
                 "idle_timeout": args.idle_timeout,
+                "job_key": args.job_key,
+                "deadlines": [_deadline_rule(rule) for rule in args.deadline],
+                "faults": [_fault(text) for text in args.inject],
                 "rendezvous": rendezvous,
             },
             GroupSpec,
@@ -391,7 +438,10 @@ def run(args: argparse.Namespace, config: Config) -> int:
         config = msgspec.structs.replace(config, event_log=args.event_log)
     if args.event_log_handler != "null":
         config = msgspec.structs.replace(config, event_log_handler=args.event_log_handler)
+    if spec.faults:  # asking for a drill on the command line is the operator's consent
+        config = msgspec.structs.replace(config, fault_injection=True)
     try:
+        config = _straggler_settings(config, args)
         outcome = run_group(config, spec, signals=signals)
     except ConfigError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
@@ -413,6 +463,19 @@ def run(args: argparse.Namespace, config: Config) -> int:
         return 0
     print(summarize(outcome.runner, outcome.state), file=sys.stderr)
     return EXIT_FAILED
+
+
+def _straggler_settings(config: Config, args: argparse.Namespace) -> Config:
+    """The ``--straggler-*`` flags given, checked as the config's keys; ConfigError if bad."""
+    given = {
+        key: value
+        for key, value in (
+            ("straggler_window", args.straggler_window),
+            ("straggler_publish_interval", args.straggler_publish_interval),
+        )
+        if value is not None
+    }
+    return override(config, "--straggler-* flags", **given) if given else config
 
 
 def _write_trace(daemon: Daemon, path: str) -> None:

@@ -22,7 +22,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["Policy", "Refusal", "Requester", "Target", "check", "valid_signals"]
+__all__ = ["Policy", "Refusal", "Requester", "Target", "check", "check_pid", "valid_signals"]
 
 
 def valid_signals() -> frozenset[int]:
@@ -57,11 +57,19 @@ def _refuse(reason: str) -> Refusal:
     return Refusal("refused", reason)
 
 
+def check_pid(policy: Policy, pid: int) -> Refusal | None:
+    """Rule 1 on the pid alone: asked first, so a protected pid is never even opened."""
+    if pid <= 1 or pid in policy.protected_pids:
+        return _refuse(f"pid {pid} is protected (init, the daemon, its ancestors or configured)")
+    return None
+
+
 def check(policy: Policy, requester: Requester, target: Target, signal: int) -> Refusal | None:
     """None when ``requester`` may arm a timer with ``signal`` on ``target``."""
     pid = target.pid
-    if pid <= 1 or pid in policy.protected_pids:
-        return _refuse(f"pid {pid} is protected (init, the daemon, its ancestors or configured)")
+    protected = check_pid(policy, pid)
+    if protected is not None:
+        return protected
     if target.kernel_thread:
         return _refuse(f"pid {pid} is a kernel thread")
     if signal > 0 and signal not in policy.allowed_signals:

@@ -9,14 +9,25 @@ through these ports.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple, Protocol
 
 from watchdogd.core.flight_recorder import Recorder
+from watchdogd.core.job_stragglers import NodeSummary
 from watchdogd.core.numa import Gpu, Topology
-from watchdogd_client.groups import GroupInfo, GroupSpec
+from watchdogd_client.groups import DeadlineRule, Fault, GroupInfo, GroupSpec
 
-__all__ = ["EventSink", "GroupControl", "GroupError", "Hardware", "Metadata", "Supervision"]
+__all__ = [
+    "EventSink",
+    "GroupControl",
+    "GroupError",
+    "GroupRuns",
+    "Hardware",
+    "Metadata",
+    "StragglerShare",
+    "SupervisedWorker",
+    "Supervision",
+]
 
 Metadata = str | int | float | bool | None
 
@@ -33,6 +44,20 @@ class EventSink(Protocol):
     def emit_at(self, level: int, name: str, /, **metadata: Metadata) -> None: ...
 
 
+class SupervisedWorker(NamedTuple):
+    """A worker the daemon launched, as the timer service needs to know it."""
+
+    group: str
+    rank: int
+    """Its global rank."""
+    attempt: int
+    idle_timeout: float | None
+    """How long it may hold no timer, after its first (None: for ever)."""
+    job_key: str | None
+    deadlines: Sequence[DeadlineRule]
+    """The group's rules for learned deadlines."""
+
+
 class Supervision(Protocol):
     """What the timer service asks of whoever launches workers."""
 
@@ -40,12 +65,8 @@ class Supervision(Protocol):
         """Whether ``pid`` is a worker the daemon launched (FIFO requests may target it)."""
         ...
 
-    def rank_of(self, pid: int) -> tuple[str, int] | None:
-        """``(group, global rank)`` of a worker the daemon launched; None for any other."""
-        ...
-
-    def idle_timeout(self, pid: int) -> float | None:
-        """How long worker ``pid`` may hold no timer, after its first (None: for ever)."""
+    def worker(self, pid: int) -> SupervisedWorker | None:
+        """Worker ``pid``; None for a process the daemon did not launch."""
         ...
 
     def timer_fired(self, pid: int, scope_id: str) -> None:
@@ -61,6 +82,34 @@ class Supervision(Protocol):
         ...
 
 
+class StragglerShare(Protocol):
+    """What a multi-node group's rendezvous carries between nodes of its straggler scores."""
+
+    publish_interval: float
+    """Seconds between publications (``straggler_publish_interval``)."""
+
+    def summary(self, job: str, node_rank: int, seq: int) -> NodeSummary:
+        """This node's ranks of ``job``, to publish as node ``node_rank``'s ``seq``-th."""
+        ...
+
+    def received(self, job: str, summaries: Mapping[str, NodeSummary]) -> None:
+        """The other nodes' summaries of ``job``, by store key, as the store holds them now
+        (empty: the group is over here)."""
+        ...
+
+
+class GroupRuns(Protocol):
+    """What the timer service keeps per run of a group, told when one starts and ends."""
+
+    def run_started(self, group: str) -> None:
+        """A new run of ``group``: what an earlier run of that name learned goes."""
+        ...
+
+    def run_ended(self, group: str) -> None:
+        """``group``'s run is over: its learned deadlines are saved and stop counting."""
+        ...
+
+
 class GroupControl(Protocol):
     """What operators may do to worker groups over the socket; GroupError when refused."""
 
@@ -69,6 +118,8 @@ class GroupControl(Protocol):
     def stop(self, name: str) -> None: ...
 
     def restart(self, name: str) -> None: ...
+
+    def inject(self, name: str, fault: Fault) -> None: ...
 
     def infos(self) -> list[GroupInfo]: ...
 

@@ -27,7 +27,7 @@ stays O(log n) amortized.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 import msgspec
@@ -71,6 +71,11 @@ class TimerTable:
     def entries(self) -> list[Timer]:
         """A cheap copy (one list of references) holding every live timer; skip ``not .live``."""
         return list(self._heap)
+
+    def of_pid(self, pid: int) -> Iterable[Timer]:
+        """Live timers of ``pid``, in no particular order."""
+        scopes = self._by_pid.get(pid)
+        return scopes.values() if scopes else ()
 
     def count_for(self, pid: int) -> int:
         scopes = self._by_pid.get(pid)

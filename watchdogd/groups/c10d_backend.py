@@ -28,6 +28,12 @@ As torch's agent does:
   ``shutdown()``, which closes the rendezvous (on failure too); a group
   stopped by an operator or a signal leaves it open, as torch's agent does
   on a signal.
+
+Beyond torch: each node writes its straggler summary to the round's store
+at ``watchdogd/stragglers/<group rank>`` and reads the other group ranks',
+in one helper call per publish interval (:meth:`C10dBackend.share`): a
+``TCPStore`` has no watch, and no lease either, so a dead node's summary
+stays until the next round's store, aged out as stale meanwhile.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -65,6 +71,8 @@ from watchdogd.groups.torch_wire import (
     Reply,
     Request,
     Round,
+    Share,
+    Shared,
 )
 from watchdogd_client.events import NodeState, RdzvEvent, record_rdzv_event
 from watchdogd_client.groups import GroupSpec, GroupState, RendezvousInfo
@@ -79,6 +87,8 @@ log = logging.getLogger("watchdogd.rendezvous")
 _LOST_AFTER = 3.0
 
 R = TypeVar("R", bound=Reply)
+
+_SUMMARY_KEY = "watchdogd/stragglers/{}"
 
 _ERRORS: dict[str, type[RendezvousError]] = {
     "closed": RendezvousClosedError,
@@ -109,6 +119,7 @@ class C10dBackend:
         self._hostname = socket.gethostname()
         self._new_round = anyio.Event()
         self._finishing = False
+        self._placing = False
 
     @property
     def _where(self) -> str:
@@ -208,11 +219,14 @@ class C10dBackend:
 
     async def next_round(self, restart_count: int) -> tuple[Placement, int]:
         """This attempt's placement; ``restart_count`` is this node's, as torch's is per agent."""
+        self._placing = True
         try:
             self.round = placed = await self._call(NextRound(restart_count=restart_count), Round)
         except RendezvousError as e:
             self._event("failed", str(e), NodeState.FAILED, error=str(e))
             raise
+        finally:
+            self._placing = False
         self.waiting = 0
         self._new_round.set()
         self._event(
@@ -299,3 +313,18 @@ class C10dBackend:
             group_world_size=placed.group_world_size if placed else 0,
             waiting=self.waiting,
         )
+
+    async def share(self, summary: bytes) -> Mapping[str, bytes]:
+        """Write ours and read the other group ranks' keys, in the helper (its calls block)."""
+        placed = self.round
+        if placed is None or self._placing or self._finishing:
+            return {}  # no round's store to write to (or, placing, the next one's rank)
+        own = _SUMMARY_KEY.format(placed.group_rank)
+        peers = [_SUMMARY_KEY.format(rank) for rank in range(placed.group_world_size)]
+        request = Share(key=own, value=summary, peers=[key for key in peers if key != own])
+        try:
+            shared = await self._call(request, Shared)
+        except RendezvousError as e:
+            log.debug("straggler summaries of %s: %s", self.spec.name, e)
+            return {}
+        return shared.values

@@ -14,7 +14,9 @@ nodes (the design's part 6, on
   without counting; a lost node fails the attempt (counted); a closed
   rendezvous stops it;
 - at the end, the exit barrier holds this node until every node's group
-  finished (bounded by ``exit_barrier_timeout``).
+  finished (bounded by ``exit_barrier_timeout``);
+- straggler summaries: one leased key per node, watched by every node
+  (:meth:`~watchdogd.groups.etcd_rendezvous.EtcdRendezvous.share_summary`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Self
 
@@ -138,3 +140,6 @@ class EtcdBackend:
             fenced_since=self.rendezvous.fenced_since,
             leader=self.rendezvous.leading,
         )
+
+    async def share(self, summary: bytes) -> Mapping[str, bytes]:
+        return await self.rendezvous.share_summary(summary)

@@ -15,16 +15,23 @@ live under ``/watchdogd/rdzv/<run id>/``:
 - ``state``: the round document (:class:`~watchdogd.core.rdzv_state.RoundState`),
   written by the leader by compare-and-swap; the rules are in
   :mod:`watchdogd.core.rdzv_state`;
-- ``restarts``: the job's restart count, one per failed round.
+- ``restarts``: the job's restart count, one per failed round;
+- ``stragglers/<node>``: the node's straggler summary
+  (:class:`~watchdogd.core.job_stragglers.NodeSummary`), rewritten once per
+  ``straggler_publish_interval`` on the node's lease, so a dead node's
+  disappears with it (:meth:`EtcdRendezvous.share_summary`).
 
-Each node watches two keys, ``state`` and ``leader``,
-and nothing else; only the leader watches every key, and tells the others
-of a lost member through the document. (A watch of the whole prefix on
-every node, even for deletions only, would make etcd match each of a
-thousand nodes' writes against a thousand watchers.) So a round costs one write
-per node (its record) plus a few writes of the document, each pushed once to
-every node, and the steady state is lease keep-alives only: no node reads
-in a loop or contends for a key.
+Each node watches two keys, ``state`` and ``leader``, and, once its group
+publishes straggler summaries, the ``stragglers/`` keys; only the leader
+watches every key (its decisions ignore the summaries), and tells the
+others of a lost member through the document. (A watch of the whole prefix
+on every node, even for deletions only, would make etcd match each of a
+thousand nodes' writes against a thousand watchers.) So a round costs one
+write per node (its record) plus a few writes of the document, each pushed
+once to every node, and the steady state is lease keep-alives, plus one
+summary per node per publish interval, pushed to every node (N nodes: N²
+small messages per interval, so a larger job wants a longer interval): no
+node reads in a loop or contends for a key.
 
 A supervisor drives it like this (``run_attempt`` stands for its own code:
 spawn the workers with the placement, stop them on a membership change)::
@@ -158,6 +165,7 @@ _NODES = "nodes/"
 _STATE = "state"
 _LEADER = "leader"
 _RESTARTS = "restarts"
+_STRAGGLERS = "stragglers/"
 
 
 def _state_of(found: KeyValue | None) -> RoundState:
@@ -254,6 +262,8 @@ class EtcdRendezvous:
         # Leadership: whoever the ``leader`` key names, watched by every node.
         self._leader_mirror = Mirror(_LEADER)
         self._lead_scope: anyio.CancelScope | None = None
+        # The other nodes' straggler summaries: watched from the first publication on.
+        self._summaries: Mirror | None = None
         # The last round this node ran in: number, members, its rank.
         self._round: int | None = None
         self._members: tuple[str, ...] = ()
@@ -458,7 +468,7 @@ class EtcdRendezvous:
 
     async def _decide_rounds(self) -> None:
         """Watch every key, and write the round document whenever :func:`decide` changes it."""
-        mirror = Mirror()
+        mirror = Mirror(ignore=_STRAGGLERS)  # they change every interval, and decide nothing
         records: dict[str, Record] = {}
         last_call: tuple[int, float] | None = None  # (round, when its window ends)
         async with anyio.create_task_group() as tg:
@@ -641,6 +651,37 @@ class EtcdRendezvous:
                 self._emit("node_lost", message, NodeState.FAILED)
             case "closed":
                 self._emit("closed", "the rendezvous is closed", NodeState.RUNNING)
+
+    async def share_summary(self, summary: bytes) -> dict[str, bytes]:
+        """Write this node's straggler summary on its lease; the other nodes', by node id.
+
+        The first call starts the watch of every node's summary; later calls
+        read the watched copy, never etcd. A write that fails (no lease: the
+        keep-alive re-registers; etcd unreachable past a TTL; refused) is
+        skipped, never the group's failure: the next interval writes a newer one.
+        """
+        if self._summaries is None:
+            assert self._task_group is not None
+            self._summaries = Mirror(_STRAGGLERS)
+            await self._task_group.start(self._summaries.run, self._store)
+        try:
+            await self._store.put(
+                _STRAGGLERS + self.node_id,
+                summary,
+                lease=self._lease,
+                deadline=time.monotonic() + self.lease_ttl,
+            )
+        except RendezvousConnectionError:
+            pass  # reported once by the store, as the outage
+        except Exception as e:
+            if not lease_not_found(e):
+                log.warning("straggler summary of %s not written: %s", self.node_id, e)
+        mine = _STRAGGLERS + self.node_id
+        return {
+            name.removeprefix(_STRAGGLERS): kv.value
+            for name, kv in self._summaries.values.items()
+            if name != mine
+        }
 
     # -- job-wide state ----------------------------------------------------------
 

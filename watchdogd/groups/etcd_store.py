@@ -412,10 +412,11 @@ class EtcdStore:
 
 class Mirror:
     """Every key under the store's prefix (and ``name`` in it), as of ``revision``,
-    kept current by a watch."""
+    kept current by a watch; keys under ``ignore`` are neither kept nor waited for."""
 
-    def __init__(self, name: str = "") -> None:
+    def __init__(self, name: str = "", *, ignore: str | None = None) -> None:
         self.name = name
+        self.ignore = ignore
         self.values: dict[str, KeyValue] = {}
         self.changed: set[str] = set()
         """Names changed (or deleted) since the reader last cleared this set."""
@@ -427,6 +428,8 @@ class Mirror:
         self._changed = anyio.Event()
 
     def _apply(self, name: str, value: bytes | None, revision: int) -> None:
+        if self.ignore is not None and name.startswith(self.ignore):
+            return
         if value is None:
             self.values.pop(name, None)
         else:
@@ -444,8 +447,11 @@ class Mirror:
         """Read the prefix, report started, then follow it (re-reading it after a compaction)."""
         while True:
             listing = await store.read_all(self.name)
-            self.changed.update(self.values, listing.values)
-            self.values = listing.values
+            values = listing.values
+            if self.ignore is not None:
+                values = {k: v for k, v in values.items() if not k.startswith(self.ignore)}
+            self.changed.update(self.values, values)
+            self.values = values
             self.revision = max(self.revision, listing.revision)
             self._notify()
             task_status.started()

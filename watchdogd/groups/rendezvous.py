@@ -6,7 +6,8 @@ holds a ``RendezvousHandler``):
 
 - ``static`` (:class:`StaticRendezvous`, the embedded default): fixed nodes,
   this node's rank and the master from the spec; nothing crosses nodes, so
-  restarts are the node-local machine's own. Node rank 0 hosts the job's
+  restarts are the node-local machine's own, and straggler scores stay
+  node-local. Node rank 0 hosts the job's
   store on the master port (:class:`~watchdogd.groups.agent_store.AgentStore`)
   when the workers' interpreter has torch, as torchrun's agent does;
 - ``etcd`` (:class:`~watchdogd.groups.etcd_backend.EtcdBackend`): elastic
@@ -16,13 +17,18 @@ holds a ``RendezvousHandler``):
   own rendezvous, run by a torch helper process, so that torchrun's nodes
   and ours form one job; restarts counted per node, as torch's agents do.
 
+The etcd and c10d backends also carry each node's straggler summary to the
+others (:meth:`Rendezvous.share`): one key per node in the job's store,
+watched on etcd, read at each publication on c10d (a ``TCPStore`` has no
+watch).
+
 The etcd and c10d backends (and their clients) are imported only when a
 spec asks for them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Protocol, Self
 
@@ -78,6 +84,12 @@ class Rendezvous(Protocol):
 
     def info(self) -> RendezvousInfo | None:
         """What ``watchdogctl groups`` shows of the rendezvous (None: nothing to show)."""
+        ...
+
+    async def share(self, summary: bytes) -> Mapping[str, bytes] | None:
+        """Publish this node's straggler summary (one write) while a round runs; the other
+        nodes' latest, by store key (empty while no round runs, or etcd or the store
+        is unreachable). None: this backend carries nothing across nodes."""
         ...
 
 
@@ -142,6 +154,9 @@ class StaticRendezvous:
 
     def info(self) -> RendezvousInfo | None:
         return None
+
+    async def share(self, summary: bytes) -> None:
+        return None  # node-local by design: a static job may have no store (no torch)
 
 
 def open_rendezvous(spec: GroupSpec, on_event: Callable[[RdzvEvent], None]) -> Rendezvous:

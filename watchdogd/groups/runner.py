@@ -40,8 +40,15 @@ import msgspec
 from watchdogd.core.dstate import DStateDetector
 from watchdogd.core.flight_recorder import Recorder, recorder_paths
 from watchdogd.core.group_machine import Action, Finished, GroupMachine, Signal, Spawn, Transition
+from watchdogd.core.job_stragglers import decode_summary, encode_summary
 from watchdogd.core.numa import NumaError, bind, cuda_devices, format_cpulist
-from watchdogd.core.ports import EventSink, GroupError, Hardware
+from watchdogd.core.ports import (
+    EventSink,
+    GroupError,
+    Hardware,
+    StragglerShare,
+    SupervisedWorker,
+)
 from watchdogd.core.rdzv_state import Change, RendezvousError
 from watchdogd.core.workerenv import (
     Placement,
@@ -56,6 +63,7 @@ from watchdogd.core.workerenv import (
     stream_routes,
     worker_env,
 )
+from watchdogd.groups.faults import FaultInjector, RankProcess
 from watchdogd.groups.logs_specs import CustomLogsSpecs
 from watchdogd.groups.rendezvous import open_rendezvous
 from watchdogd.groups.spares import SparePool
@@ -65,7 +73,14 @@ from watchdogd.linux import aio
 from watchdogd.linux.procs import read_stat
 from watchdogd_client._proc import pidfd_exited
 from watchdogd_client.events import RdzvEvent
-from watchdogd_client.groups import Failure, GroupInfo, GroupSpec, GroupState, WorkerInfo
+from watchdogd_client.groups import (
+    Failure,
+    Fault,
+    GroupInfo,
+    GroupSpec,
+    GroupState,
+    WorkerInfo,
+)
 
 __all__ = ["Endpoints", "GroupRunner", "WorkerIndex", "describe_exit", "visible_gpus"]
 
@@ -91,30 +106,19 @@ class WorkerIndex:
     """
 
     def __init__(self) -> None:
-        self._groups: dict[int, tuple[str, int]] = {}
-        self._idle_timeouts: dict[int, float] = {}
+        self._workers: dict[int, SupervisedWorker] = {}
         self._expired_scopes: dict[int, str] = {}
         # group -> pid -> the flight recorder of that rank, for workers that run one.
         self._recorders: dict[str, dict[int, Recorder]] = {}
 
-    def add(
-        self,
-        pid: int,
-        group: str,
-        rank: int,
-        recorder: Recorder | None = None,
-        idle_timeout: float | None = None,
-    ) -> None:
-        self._groups[pid] = (group, rank)
-        if idle_timeout is not None:
-            self._idle_timeouts[pid] = idle_timeout
+    def add(self, pid: int, worker: SupervisedWorker, recorder: Recorder | None = None) -> None:
+        self._workers[pid] = worker
         if recorder is not None:
-            self._recorders.setdefault(group, {})[pid] = recorder
+            self._recorders.setdefault(worker.group, {})[pid] = recorder
 
     def remove(self, pid: int) -> None:
-        group, _ = self._groups.pop(pid, ("", 0))
-        self._idle_timeouts.pop(pid, None)
-        recorders = self._recorders.get(group)
+        worker = self._workers.pop(pid, None)
+        recorders = None if worker is None else self._recorders.get(worker.group)
         if recorders is not None:
             recorders.pop(pid, None)
 
@@ -122,25 +126,22 @@ class WorkerIndex:
         return self._expired_scopes.pop(pid, None)
 
     def is_supervised(self, pid: int) -> bool:
-        return pid in self._groups
+        return pid in self._workers
 
-    def rank_of(self, pid: int) -> tuple[str, int] | None:
-        return self._groups.get(pid)
-
-    def idle_timeout(self, pid: int) -> float | None:
-        return self._idle_timeouts.get(pid)
+    def worker(self, pid: int) -> SupervisedWorker | None:
+        return self._workers.get(pid)
 
     def timer_fired(self, pid: int, scope_id: str) -> None:
-        if pid in self._groups:
+        if pid in self._workers:
             self._expired_scopes[pid] = scope_id
 
     def flight_recorders(self, pid: int) -> list[Recorder]:
-        group, _ = self._groups.get(pid, ("", 0))
-        recorders = self._recorders.get(group, {})
+        worker = self._workers.get(pid)
+        recorders = {} if worker is None else self._recorders.get(worker.group, {})
         return sorted(recorders.values(), key=lambda r: r.rank)
 
     def __contains__(self, pid: object) -> bool:
-        return pid in self._groups
+        return pid in self._workers
 
 
 def visible_gpus() -> list[str] | None:
@@ -203,9 +204,13 @@ class GroupRunner:
         workers: WorkerIndex,
         hardware: Hardware,
         starter: WorkerStarter | None = None,
+        fault_injection: bool = False,
+        stragglers: StragglerShare | None = None,
     ) -> None:
+        """``fault_injection``: the daemon allows injected faults (the spec's, ``inject``)."""
         self.spec = spec
         self.events = events
+        self.stragglers = stragglers
         self.endpoints = endpoints
         self.index = workers
         self.hardware = hardware
@@ -234,6 +239,12 @@ class GroupRunner:
             if spec.log_dir is not None
             else Path(tempfile.mkdtemp(prefix=f"watchdogd-{spec.name}-"))
         )
+        self.faults = (
+            FaultInjector(spec.name, events, self._running_rank) if fault_injection else None
+        )
+        if self.faults is not None:
+            for fault in spec.faults:
+                self.faults.schedule(fault)
         self.cpus: dict[int, frozenset[int]] | None = None
         """Each local rank's CPUs under ``numa_binding``, once decided."""
         self.finished = anyio.Event()
@@ -338,6 +349,25 @@ class GroupRunner:
         """The launcher received ``signum``: pass it to the workers and stop the group."""
         self._control("signal", signum)
 
+    def inject(self, fault: Fault) -> None:
+        """Inject ``fault`` ``fault.after`` seconds from now; GroupError if it cannot be."""
+        if self.faults is None:
+            raise GroupError(f"group {self.spec.name} started before fault injection was enabled")
+        local = sorted(worker.rank for worker in self.workers.values())
+        if fault.rank not in local:
+            raise GroupError(
+                f"group {self.spec.name}: rank {fault.rank} does not run on this node "
+                f"(its ranks here: {', '.join(map(str, local)) or 'none yet'})"
+            )
+        self.faults.schedule(fault)
+
+    def _running_rank(self, rank: int) -> RankProcess | None:
+        """The injector's view of global rank ``rank``'s worker, while it runs."""
+        for worker in self.workers.values():
+            if worker.rank == rank and worker.exitcode is None:
+                return RankProcess(worker.pid, worker.pidfd, worker.local_rank)
+        return None
+
     def mark_unhealthy(self, reason: str) -> None:
         self._reason = reason
         self._control("unhealthy")
@@ -380,8 +410,12 @@ class GroupRunner:
         try:
             async with self.rendezvous, anyio.create_task_group() as tg:
                 tg.start_soon(self.rendezvous.watch, self._membership_changed)
+                if self.stragglers is not None:
+                    tg.start_soon(self._share_stragglers, self.stragglers)
                 if self.spares is not None:
                     tg.start_soon(self.spares.keep_ready)
+                if self.faults is not None:
+                    tg.start_soon(self.faults.run)
                 # Caught here, inside the task group, or it would leave wrapped in a group.
                 try:
                     final = await self._run_attempts()
@@ -401,6 +435,8 @@ class GroupRunner:
                 if self.logs_specs is not None:
                     await self.logs_specs.aclose()
             self._drop_run_dir()
+            if self.faults is not None:
+                self.faults.close()
             self._inbox_send.close()
             self._inbox.close()
             self.finished.set()
@@ -441,6 +477,28 @@ class GroupRunner:
                 self._control("fail")
             case "closed":
                 self._control("stop")
+
+    async def _share_stragglers(self, share: StragglerShare) -> None:
+        """Each publish interval, while placed in a multi-node round: this node's straggler
+        summary out through the rendezvous, the other nodes' in (none with ``static``)."""
+        job = self.spec.name
+        seq = 0
+        try:
+            while True:
+                await anyio.sleep(share.publish_interval)
+                placement = self.placement
+                if placement is None or placement.group_world_size < 2:
+                    share.received(job, {})  # no other node (any more) to tell or hear
+                    continue
+                seq += 1
+                summary = share.summary(job, placement.group_rank, seq)
+                found = await self.rendezvous.share(encode_summary(summary))
+                if found is None:
+                    return
+                decoded = {key: decode_summary(value) for key, value in found.items()}
+                share.received(job, {k: v for k, v in decoded.items() if v is not None})
+        finally:
+            share.received(job, {})
 
     def _rdzv_event(self, event: RdzvEvent) -> None:
         self.events.emit(
@@ -564,6 +622,9 @@ class GroupRunner:
             )
             for local_rank in range(self.spec.nproc)
         }
+        if self.faults is not None:
+            for local_rank, env in envs.items():
+                env.update(self.faults.env(local_rank))
         routes = await self._log_routes(attempt, envs, base)
         # Off the loop: a log directory on NFS may take its time.
         targets = await anyio.to_thread.run_sync(self._open_logs, envs, routes)
@@ -576,15 +637,15 @@ class GroupRunner:
                 )
                 worker.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None
                 self.workers[local_rank] = worker
-                self.index.add(
-                    worker.pid,
-                    self.spec.name,
-                    rank,
-                    self._recorder(env, worker),
-                    self.spec.idle_timeout,
+                spec = self.spec
+                supervised = SupervisedWorker(
+                    spec.name, rank, attempt, spec.idle_timeout, spec.job_key, spec.deadlines
                 )
+                self.index.add(worker.pid, supervised, self._recorder(env, worker))
                 aio.watch_readable(worker.pidfd, partial(self._on_pidfd, worker))
                 self.events.emit_at(logging.DEBUG, "worker_started", **self._about(worker))
+            if self.faults is not None:
+                self.faults.workers_started()
         finally:
             for pair in targets.values():  # ranks that never started
                 for target in pair:
@@ -711,11 +772,14 @@ class GroupRunner:
             return []
         exitcode = worker.exitcode
         expired_scope = self.index.take_expired_scope(worker.pid)
+        injected = self.faults.injected.pop(worker.pid, None) if self.faults else None
         failed = exitcode != 0 and self.machine.state is GroupState.HEALTHY
         if failed:
             reason = describe_exit(exitcode)
             if expired_scope is not None:
                 reason += f" (watchdogd: timer {expired_scope!r} expired)"
+            if injected is not None:
+                reason += f" (injected fault: {injected})"
             self._record_failure(worker, exitcode, reason)
         self.events.emit_at(
             logging.WARNING if failed else logging.DEBUG,

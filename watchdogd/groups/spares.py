@@ -8,9 +8,9 @@ listed modules; when an attempt starts, :meth:`SparePool.start` hands it
 the attempt's environment and the worker's streams and it becomes the
 worker, so a restart does not pay the imports again. A consumed spare is
 replaced in the background; as root, replacements warm up at the lowest
-CPU priority (nice 19) and are put back at the daemon's own when assigned
-(an unprivileged daemon could not raise their priority back, so its
-spares warm up at its own). A spare that dies before it is assigned is
+CPU priority (nice 19) and are put back at the workers' priority when
+assigned (an unprivileged daemon could not raise their priority back, so
+its spares warm up at its own). A spare that dies before it is assigned is
 reported and replaced (after a pause that doubles, up to a minute, while
 they keep dying). The first attempt takes the spares as they are, warm or
 not yet: a worker never waits for a spare it could not have started faster
@@ -39,6 +39,7 @@ from watchdogd.groups.starters import Started, WorkerStarter, substitute_local_r
 from watchdogd.groups.worker_logs import Target, child_stream
 from watchdogd.linux import aio
 from watchdogd.linux.numa import bound_to
+from watchdogd.linux.priority import worker_priority
 from watchdogd.linux.procs import read_rss
 from watchdogd_client.framing import FrameSplitter, frame
 from watchdogd_client.groups import SpareInfo
@@ -269,7 +270,7 @@ class SparePool:
                 if theirs is not None:
                     os.close(theirs)
         if self._root:
-            _renice(spare.popen.pid, os.getpriority(os.PRIO_PROCESS, 0))
+            _renice(spare.popen.pid, worker_priority())
         os.close(spare.pidfd)
         spare.control.close()
         return Started(spare.popen, ends[0][0], ends[1][0])

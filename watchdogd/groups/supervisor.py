@@ -3,7 +3,7 @@
 :class:`Supervisor` is what the rest of the daemon sees of the groups: the
 socket's ``GroupControl`` port, the timer service's ``Supervision`` (its
 :class:`~watchdogd.groups.runner.WorkerIndex`), GPU faults, and the states
-metrics read. Each group runs as a task of its own
+metrics read; it hands each group the ``StragglerShare`` port. Each group runs as a task of its own
 (:class:`~watchdogd.groups.runner.GroupRunner`).
 """
 
@@ -16,12 +16,12 @@ from collections.abc import Callable
 import anyio
 import anyio.abc
 
-from watchdogd.core.ports import EventSink, GroupError, Hardware
+from watchdogd.core.ports import EventSink, GroupError, GroupRuns, Hardware, StragglerShare
 from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd.groups.runner import Endpoints, GroupRunner, WorkerIndex
 from watchdogd.groups.starters import WorkerStarter
 from watchdogd.linux.numa import NodeHardware
-from watchdogd_client.groups import GroupInfo, GroupSpec, GroupState
+from watchdogd_client.groups import Fault, GroupInfo, GroupSpec, GroupState
 
 __all__ = ["Supervisor"]
 
@@ -30,14 +30,27 @@ class Supervisor:
     """The daemon's worker groups, by name: the socket's ``GroupControl`` port."""
 
     def __init__(
-        self, events: EventSink, endpoints: Endpoints, hardware: Hardware | None = None
+        self,
+        events: EventSink,
+        endpoints: Endpoints,
+        hardware: Hardware | None = None,
+        *,
+        workers: WorkerIndex | None = None,
+        stragglers: StragglerShare | None = None,
+        runs: GroupRuns | None = None,
     ) -> None:
         self.events = events
         self.endpoints = endpoints
         self.hardware: Hardware = hardware if hardware is not None else NodeHardware()
-        self.workers = WorkerIndex()
+        self.workers = workers if workers is not None else WorkerIndex()
+        self.stragglers = stragglers
+        """Where multi-node groups' straggler summaries come from and go (None: nowhere)."""
+        self.runs = runs
+        """Told when each group's run starts and ends (the timer service's learned state)."""
         self.groups: dict[str, GroupRunner] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
+        self.fault_injection = False
+        """Whether groups may have faults injected (the config's ``fault_injection``)."""
         self.on_finished: Callable[[GroupRunner, GroupState], None] | None = None
 
     def attach(self, task_group: anyio.abc.TaskGroup) -> None:
@@ -53,6 +66,10 @@ class Supervisor:
             raise GroupError(f"group {spec.name!r} is already running ({existing.state.value})")
         if self._task_group is None:
             raise GroupError("the supervisor is not running")
+        if spec.faults and not self.fault_injection:
+            raise GroupError(
+                f"group {spec.name}: faults need fault_injection = true in the daemon's config"
+            )
         try:
             spec = apply_env_knobs(spec, os.environ)
         except ValueError as e:
@@ -64,13 +81,19 @@ class Supervisor:
             workers=self.workers,
             hardware=self.hardware,
             starter=starter,
+            fault_injection=self.fault_injection,
+            stragglers=self.stragglers,
         )
         self.groups[spec.name] = runner
+        if self.runs is not None:
+            self.runs.run_started(spec.name)
         self._task_group.start_soon(self._run, runner, name=f"group {spec.name}")
         return runner
 
     async def _run(self, runner: GroupRunner) -> None:
         state = await runner.run()
+        if self.runs is not None:
+            self.runs.run_ended(runner.spec.name)
         if self.on_finished is not None:
             self.on_finished(runner, state)
 
@@ -85,6 +108,11 @@ class Supervisor:
 
     def restart(self, name: str) -> None:
         self.get(name).restart()
+
+    def inject(self, name: str, fault: Fault) -> None:
+        if not self.fault_injection:
+            raise GroupError("fault injection is disabled: set fault_injection = true")
+        self.get(name).inject(fault)
 
     def infos(self) -> list[GroupInfo]:
         return [runner.info() for runner in self.groups.values()]

@@ -17,7 +17,10 @@ one at a time, blocking as torch's agent does:
   so a torchrun node and this one share one job. The agent never starts a
   worker: the daemon does;
 - ``LoadLogsSpecs`` / ``Reify``: a ``--logs-specs`` class of the user's,
-  made as torchrun makes it and asked, each attempt, where the logs go.
+  made as torchrun makes it and asked, each attempt, where the logs go;
+- ``Share``: one key written and the other nodes' read in the round's
+  store (the ``PrefixStore`` torch's rendezvous hands its agent), for the
+  daemon's straggler summaries.
 
 It needs msgspec and torch; it imports torch only when asked to use it,
 and dies with the daemon (the kernel's parent-death signal). Its stdout is
@@ -54,6 +57,8 @@ from watchdogd.groups.torch_wire import (
     Reply,
     Request,
     Round,
+    Share,
+    Shared,
 )
 from watchdogd.linux.parent import die_with_parent
 from watchdogd.linux.plugins import LOGS_SPECS_GROUP, load_entry_point, not_found
@@ -132,6 +137,8 @@ class _Helper:
                     return self.load_logs_specs(request)
                 case Reify(envs=envs):
                     return self.reify(envs)
+                case Share():
+                    return self.share(request)
         except Exception as e:
             return _failure(e)
 
@@ -236,6 +243,14 @@ class _Helper:
     def reify(self, envs: dict[int, dict[str, str]]) -> Reified:
         dest = self.logs_specs.reify(envs)  # may set variables in envs, as torch's does
         return Reified(dest=msgspec.convert(dest, LogsDest, from_attributes=True), envs=envs)
+
+    def share(self, request: Share) -> Shared:
+        store = self.agent.get_worker_group().store
+        store.set(request.key, request.value)
+        # get() waits for a missing key (a node that has not published yet): check first.
+        found = [key for key in request.peers if store.check([key])]
+        values = store.multi_get(found) if found else []
+        return Shared(values=dict(zip(found, values, strict=True)))
 
 
 def _send(fd: int, reply: Reply) -> None:

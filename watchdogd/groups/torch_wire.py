@@ -37,6 +37,8 @@ __all__ = [
     "Reply",
     "Request",
     "Round",
+    "Share",
+    "Shared",
 ]
 
 MAX_FRAME = 1 << 24  # a Reify of thousands of ranks' variables fits
@@ -108,7 +110,16 @@ class Reify(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Per local rank, torchrun's variables (not the environment they inherit)."""
 
 
-Request = HostStore | Open | NextRound | Poll | Finish | LoadLogsSpecs | Reify
+class Share(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Write ``value`` at ``key`` in the current round's store, then read each of ``peers``
+    that exists (never waiting for one); replies :class:`Shared`."""
+
+    key: str
+    value: bytes
+    peers: list[str]
+
+
+Request = HostStore | Open | NextRound | Poll | Finish | LoadLogsSpecs | Reify | Share
 
 
 # -- replies -------------------------------------------------------------------
@@ -170,4 +181,9 @@ class Failed(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     message: str
 
 
-Reply = Ready | Hosting | Opened | Round | Polled | Done | Reified | Failed
+class Shared(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    values: dict[str, bytes]
+    """Each of the peers' keys found, with its value."""
+
+
+Reply = Ready | Hosting | Opened | Round | Polled | Done | Reified | Shared | Failed

@@ -22,6 +22,7 @@ __all__ = [
     "ProcessHandle",
     "RunQueueClock",
     "ancestors",
+    "catches_signal",
     "open_process",
     "read_rss",
     "read_stat",
@@ -82,6 +83,18 @@ def read_stat(pid: int) -> Stat:
     """Fields of ``/proc/PID/stat``; ProcessLookupError if there is no such process."""
     fields = stat_fields(pid)
     return Stat(fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]))
+
+
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether ``pid`` has a handler for ``signum`` (``SigCgt`` in ``/proc/PID/status``)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except OSError:
+        pass
+    return False
 
 
 def _read_uid(pid: int) -> int:

@@ -32,7 +32,9 @@ __all__ = [
     "SnapshotTimer",
     "SnapshotWriter",
     "UntrustedSnapshotError",
+    "read_own_file",
     "read_snapshot",
+    "write_atomically",
 ]
 
 SNAPSHOT_NAME = "timers.snapshot"
@@ -99,12 +101,11 @@ class UntrustedSnapshotError(Exception):
     """The snapshot file is not one this daemon wrote: someone else could have."""
 
 
-def read_snapshot(path: Path) -> tuple[SnapshotHeader, list[SnapshotTimer]] | None:
-    """The snapshot at ``path``; None when there is none or it cannot be read.
+def read_own_file(path: Path) -> bytes | None:
+    """The bytes of ``path``, a file only this uid can have written; None when missing.
 
-    Raises :class:`UntrustedSnapshotError` for a file that is not ours alone (a
-    symlink, another owner, writable by others): restoring it would let its
-    writer aim timers at any process.
+    Raises :class:`UntrustedSnapshotError` for a symlink, a file of another
+    owner, or one writable by others.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -119,9 +120,36 @@ def read_snapshot(path: Path) -> tuple[SnapshotHeader, list[SnapshotTimer]] | No
         if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise UntrustedSnapshotError(f"{path} is writable by others")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read()
+            return f.read()
     finally:
         os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` whole, or what it held before (a crash mid-write)."""
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def read_snapshot(path: Path) -> tuple[SnapshotHeader, list[SnapshotTimer]] | None:
+    """The snapshot at ``path``; None when there is none or it cannot be read.
+
+    Raises :class:`UntrustedSnapshotError` for a file that is not ours alone (a
+    symlink, another owner, writable by others): restoring it would let its
+    writer aim timers at any process.
+    """
+    data = read_own_file(path)
+    if data is None:
+        return None
     try:
         splitter = FrameSplitter(len(data))
         frames = list(splitter.feed(data))

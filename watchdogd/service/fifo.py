@@ -6,7 +6,8 @@ as an event and skipped; the lines around it are served. At most
 ``LINES_PER_TURN`` lines are served per loop iteration: the rest of a
 chunk waits for the next iteration (the pipe meanwhile holds what is
 unread), so a writer flooding the FIFO never holds the loop — and the
-expiry loop — for more than a turn.
+expiry loop — for more than a turn; and every ``EXPIRY_CHECK_LINES`` lines
+it expires what is due itself, so a kill waits for a few lines at most.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ log = logging.getLogger("watchdogd")
 # or two of work, whatever the lines hold: 64 KiB of empty-ish lines is 32,000).
 _READ_CHUNK = 64 << 10
 LINES_PER_TURN = 64
+# Lines served between two looks at the clock for deadlines that passed.
+EXPIRY_CHECK_LINES = 16
 _decoder = msgspec.json.Decoder(p.FileTimerRequest)
 _FIFO_REQUESTER = Requester("fifo")
 
@@ -61,8 +64,11 @@ class FifoFront:
         """Serve up to ``LINES_PER_TURN`` pending lines; come back next iteration for more."""
         pending = self._pending
         assert pending is not None
+        timers = self.timers
         served = 0
         for line in itertools.islice(pending, LINES_PER_TURN):
+            if not served % EXPIRY_CHECK_LINES:
+                timers.expire_due()  # a deadline that passed waits for no turn of ours
             served += 1
             self._line(line)
         if served < LINES_PER_TURN:
@@ -105,7 +111,10 @@ class FifoFront:
         try:
             return _decoder.decode(line)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
-            error = e
+            # Its text, not the exception: kept past the except block, the exception
+            # and its traceback's frame (whose local it is) make a cycle, and a
+            # flood of bad lines made the garbage collector's pauses ~2 ms each.
+            reason = str(e)
         # A writer that wrote half a line glues it to the next writer's whole
         # one; every request is a flat object, so the last '{' starts the one
         # worth saving.
@@ -116,5 +125,5 @@ class FifoFront:
                 msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError
             ):
                 salvaged = _decoder.decode(line[start:])
-        self.timers.bad_input("fifo", str(error), line[:start] if salvaged else line)
+        self.timers.bad_input("fifo", reason, line[:start] if salvaged else line)
         return salvaged

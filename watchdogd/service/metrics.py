@@ -137,6 +137,20 @@ class Metrics(Collector):
         for transport, count in sorted(stats.bad_inputs.items()):
             bad.add_metric([transport], count)
         yield bad
+        refused = CounterMetricFamily(
+            "watchdogd_connections_refused", "Connections refused at accept.", labels=["limit"]
+        )
+        for limit, count in sorted(stats.connections_refused.items()):
+            refused.add_metric([limit], count)
+        yield refused
+        suppressed = CounterMetricFamily(
+            "watchdogd_events_suppressed",
+            "Events counted but not recorded (max_noisy_events_per_s).",
+            labels=["event"],
+        )
+        for name, count in sorted(stats.suppressed.items()):
+            suppressed.add_metric([name], count)
+        yield suppressed
         groups = GaugeMetricFamily("watchdogd_groups", "Worker groups.", labels=["state"])
         states = list(self.groups())
         for state in GroupState:
@@ -148,6 +162,7 @@ class Metrics(Collector):
             sum(restarts for _, restarts in states),
         )
         yield from self._per_group()
+        yield from self._stragglers()
         yield GaugeMetricFamily(
             "watchdogd_event_loop_lag_seconds",
             "How late the event loop woke for its last tick.",
@@ -174,6 +189,20 @@ class Metrics(Collector):
             if rdzv is not None:
                 waiting.add_metric([info.name], rdzv.waiting)
         yield from (left, round_, waiting)
+
+    def _stragglers(self) -> Iterator[Metric]:
+        board = self.timers.stragglers.board
+        flagged = GaugeMetricFamily(
+            "watchdogd_stragglers",
+            "Worker ranks flagged as stragglers now, per scope (1 each).",
+            labels=["group", "scope", "rank"],
+        )
+        for key in sorted(board.flagged.copy()):  # one call: the loop may change the set
+            flagged.add_metric([key.job, key.scope, str(key.rank)], 1)
+        yield flagged
+        yield CounterMetricFamily(
+            "watchdogd_straggler_flags", "Times a rank was flagged as a straggler.", board.flags
+        )
 
 
 class Health(msgspec.Struct):

@@ -8,20 +8,22 @@ Rules
   ``<= 0`` records without killing.
 - Signals go through the pidfd taken when the process's first timer was
   armed, so they can only reach that very process.
-- With stack dumps on, the hung process's Python stacks are captured and
-  saved first (faulthandler if its client registered it, else py-spy),
-  both together bounded by ``stack_dump_timeout``. Captures run as their
-  own tasks: a slow one never delays another expiry. A faulthandler dump
-  is complete at the client's end-of-dump marker, or, from a client that
-  writes none, once its file stopped growing. Dump files are written, and
-  a client's faulthandler file removed when it exits, by worker threads,
-  bounded too: a hung disk never holds the loop. Old dumps are pruned
-  after the signal, never before it.
+- With stack dumps on, the hung process's Python stacks are captured
+  first (faulthandler if its client registered it, else py-spy), bounded
+  by ``stack_dump_timeout``; the signal goes out as soon as they are read.
+  Captures run as their own tasks: a slow one never delays another
+  expiry. A faulthandler dump is complete at the client's end-of-dump
+  marker, or, from a client that writes none, once its file stopped
+  growing. The dump is saved after the signal, by worker threads (a few
+  at a time), each save bounded too, and the ``timer_expired`` event that
+  names it is recorded once it is saved: a hung disk delays events, never
+  a kill or the loop. Old dumps are pruned after that.
 - When the process is a worker whose group runs torch's NCCL flight
   recorder, every rank of that group on this node is made to dump its
   trace at the same time (a thread per rank polls for it), and the traces
-  are saved with the stacks; the capture and the save are then bounded by
-  the longer of ``stack_dump_timeout`` and ``flight_recorder_timeout``.
+  are saved with the stacks; the capture and the save are then each
+  bounded by the longer of ``stack_dump_timeout`` and
+  ``flight_recorder_timeout``.
 - When the requested signal is not SIGKILL and the process is still alive
   ``kill_grace`` seconds later, it gets SIGKILL.
 """
@@ -65,6 +67,15 @@ class ProcessLookup(Protocol):
         ...
 
 
+_GONE = "process already gone"
+_RECORDED = "recorded"
+Expiry = tuple[Timer, float | str]
+"""An expired timer and how late its signal went out (s), else ``_RECORDED`` or why not."""
+_Captured = tuple[str, str, list[tuple[TraceInfo, bytes]]]
+"""A capture not yet saved: the stacks' method and text, and the ranks' traces."""
+_SAVERS = 4
+
+
 def describe(timer: Timer) -> dict[str, Metadata]:
     return {
         "pid": timer.pid,
@@ -101,6 +112,10 @@ class Reaper:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._pruning = False
         self._prune_again = False
+        # A few threads save: a save is ~0.2 ms of file writes, and a hundred
+        # saving threads at once, each wanting the GIL back after its write,
+        # held the loop's thread off it for 50+ ms while it reaped the dead.
+        self._savers = anyio.CapacityLimiter(_SAVERS)
 
     def attach(self, task_group: anyio.abc.TaskGroup) -> None:
         self._task_group = task_group
@@ -149,21 +164,33 @@ class Reaper:
 
     # -- expiry --------------------------------------------------------------------
 
-    def expire(self, expired: list[Timer]) -> None:
+    def expire(self, expired: list[Timer]) -> list[Expiry]:
+        """Signal the processes of ``expired`` (soonest first); what :meth:`record` records.
+
+        The caller records once every timer due meanwhile was signalled too:
+        with a hundred timers due at once, the last kill waits for a hundred
+        signals, not for a hundred events as well.
+        """
         chosen: set[int] = set()
+        done: list[Expiry] = []
         for timer in expired:
             self.stats.expired += 1
             handle = self.processes.process(timer.pid)
             first = timer.signal > 0 and timer.pid not in chosen
             if first:
                 chosen.add(timer.pid)
-            if (handle is not None and self._wants_dump(timer, first)) or self._escalates(timer):
+            if handle is not None and self._wants_dump(timer, first):
                 assert self._task_group is not None
                 self._task_group.start_soon(self._reap, timer, handle, first)
             elif first:
-                self._signal(timer, handle, None)
+                done.append((timer, self._send(timer, handle)))
             else:
-                self.events.emit("timer_expired", **describe(timer), action="recorded")
+                done.append((timer, _RECORDED))
+        return done
+
+    def record(self, done: list[Expiry]) -> None:
+        for timer, outcome in done:
+            self._report(timer, outcome, None)
 
     def _wants_dump(self, timer: Timer, first: bool) -> bool:
         # Record-only timers get their dump too: that is often their point.
@@ -177,25 +204,22 @@ class Reaper:
         grace = self.settings.kill_grace
         return grace is not None and 0 < timer.signal != _signal.SIGKILL
 
-    async def _reap(self, timer: Timer, handle: ProcessHandle | None, first: bool) -> None:
+    async def _reap(self, timer: Timer, handle: ProcessHandle, first: bool) -> None:
+        """Capture the dump, signal (or only record), then save the dump and record.
+
+        The save waits for a worker thread (~1 ms, p99 ~2 ms on a 2-core
+        node): after the signal, it delays the event, not the kill.
+        """
+        captured = await self._capture(timer, handle)
+        outcome = self._send(timer, handle) if first else _RECORDED
         dump = None
-        if handle is not None and self._wants_dump(timer, first):
-            dump = await self._capture(timer, handle)
-        if not first:
-            if dump is not None:
-                self._prune_dumps()
-            self.events.emit(
-                "timer_expired",
-                **describe(timer),
-                action="recorded",
-                dump=dump.id if dump else None,
-            )
-            return
-        signalled = self._signal(timer, handle, dump)
-        if dump is not None:
-            self._prune_dumps()
-        if not signalled or handle is None or not self._escalates(timer):
-            return
+        try:
+            dump = await self._save(timer, captured)
+        finally:  # recorded even if the daemon stops meanwhile
+            self._report(timer, outcome, dump)
+
+    async def _escalate(self, timer: Timer, handle: ProcessHandle) -> None:
+        """SIGKILL the process if it outlives its signal by ``kill_grace``."""
         grace = self.settings.kill_grace
         assert grace is not None
         await anyio.sleep(grace)
@@ -209,8 +233,8 @@ class Reaper:
                 "process_escalated", pid=timer.pid, scope_id=timer.scope_id, after_s=grace
             )
 
-    async def _capture(self, timer: Timer, handle: ProcessHandle) -> DumpInfo | None:
-        """Stacks and the group's collective traces, taken together, then saved: bounded."""
+    async def _capture(self, timer: Timer, handle: ProcessHandle) -> _Captured | None:
+        """Stacks and the group's collective traces, taken together: bounded."""
         config = self.settings
         recorders = self.supervision.flight_recorders(timer.pid)
         bound = max(config.stack_dump_timeout, config.flight_recorder_timeout if recorders else 0)
@@ -222,27 +246,36 @@ class Reaper:
                     tg.start_soon(self._capture_stacks, timer, handle, stacks)
                 for recorder in recorders:
                     tg.start_soon(self._collect_trace, recorder, traces)
-            if stacks and not self._still_same(handle):
-                stacks.clear()  # it exited meanwhile: what we read may be a newcomer's stacks
-            if not stacks and not any(data for _, data in traces):
-                return None
-            method, text = stacks[0] if stacks else ("", "")
-            traces.sort(key=lambda trace: trace[0].rank)
-            # Saved before the signal, so that the dump exists once the process is
-            # gone; in a thread, and within the same bound, so that a hung disk
-            # delays the kill by at most that bound and the loop not at all.
-            save = partial(self.stacks.save, timer.pid, timer.scope_id, method, text, traces)
-            try:
-                return await anyio.to_thread.run_sync(save, abandon_on_cancel=True)
-            except OSError as e:
-                log.error("cannot save the stack dump of pid %d: %s", timer.pid, e.strerror)
-                return None
-        if stacks or traces:
-            log.error(
-                "saving the stack dump of pid %d took over %g s: left to finish on its own",
-                timer.pid,
-                bound,
-            )
+        if stacks and not self._still_same(handle):
+            stacks.clear()  # it exited meanwhile: what we read may be a newcomer's stacks
+        if not stacks and not any(data for _, data in traces):
+            return None
+        method, text = stacks[0] if stacks else ("", "")
+        traces.sort(key=lambda trace: trace[0].rank)
+        return method, text, traces
+
+    async def _save(self, timer: Timer, captured: _Captured | None) -> DumpInfo | None:
+        """Save what was captured, in a thread and bounded (a hung disk delays only the event)."""
+        if captured is None:
+            return None
+        method, text, traces = captured
+        config = self.settings
+        bound = max(config.stack_dump_timeout, config.flight_recorder_timeout if traces else 0)
+        save = partial(self.stacks.save, timer.pid, timer.scope_id, method, text, traces)
+        async with self._savers:  # waiting for a turn is not the save's time
+            with anyio.move_on_after(bound):
+                try:
+                    dump = await anyio.to_thread.run_sync(save, abandon_on_cancel=True)
+                except OSError as e:
+                    log.error("cannot save the stack dump of pid %d: %s", timer.pid, e.strerror)
+                    return None
+                self._prune_dumps()
+                return dump
+        log.error(
+            "saving the stack dump of pid %d took over %g s: left to finish on its own",
+            timer.pid,
+            bound,
+        )
         return None
 
     async def _capture_stacks(
@@ -259,7 +292,7 @@ class Reaper:
                 text = await self.captures.capture(handle, path, signal, marker)
                 method = "faulthandler"
             if text is None and config.stack_dumps in ("auto", "py-spy") and not handle.exited():
-                text = await capture_pyspy(timer.pid)
+                text = await capture_pyspy(timer.pid, config.stack_dump_timeout)
                 method = "py-spy"
             if text is not None:
                 found.append((method, text))
@@ -318,29 +351,39 @@ class Reaper:
         except ProcessLookupError:
             return False
 
-    def _signal(self, timer: Timer, handle: ProcessHandle | None, dump: DumpInfo | None) -> bool:
-        events = self.events
+    def _send(self, timer: Timer, handle: ProcessHandle | None) -> float | str:
+        """Send the timer's signal, count it, arm its escalation: how late it went out (s),
+        or why it did not. Its event is :meth:`_report`'s, once the dump is saved."""
         try:
             if handle is None:
                 raise ProcessLookupError(timer.pid)
             handle.send_signal(timer.signal)
         except ProcessLookupError:
             self.stats.dropped += 1
-            events.emit("timer_expired", **describe(timer), action="process already gone")
-            return False
+            return _GONE
         except OSError as e:
-            events.emit("timer_expired", **describe(timer), action=f"signal failed: {e.strerror}")
-            return False
+            return f"signal failed: {e.strerror}"
         late = time.monotonic() - timer.deadline
         self.observe_latency(late)
         self.stats.signalled += 1
         self.stats.signals[timer.signal] += 1
+        # Before the loop can see the exit: the supervisor names the timer as its cause.
         self.supervision.timer_fired(timer.pid, timer.scope_id)
-        events.emit(
+        if self._escalates(timer):
+            assert self._task_group is not None
+            self._task_group.start_soon(self._escalate, timer, handle)
+        return late
+
+    def _report(self, timer: Timer, outcome: float | str, dump: DumpInfo | None) -> None:
+        """Record what :meth:`_send` did (``_RECORDED``: a timer that signals nothing)."""
+        if isinstance(outcome, str):
+            dumped = {"dump": dump.id if dump else None} if outcome is _RECORDED else {}
+            self.events.emit("timer_expired", **describe(timer), action=outcome, **dumped)
+            return
+        self.events.emit(
             "timer_expired",
             **describe(timer),
             action="signalled",
-            late_ms=round(late * 1000, 3),
+            late_ms=round(outcome * 1000, 3),
             dump=dump.id if dump else None,
         )
-        return True

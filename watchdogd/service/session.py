@@ -27,7 +27,12 @@ Rules
   arm the node's timers) the session yields :class:`Turn`, and the transport lets the rest of the
   loop run (the expiry loop first of all) before it asks for more. A peer
   that floods the socket gets the loop for ~64 requests at a time, never for
-  the ~16,000 empty frames one 64 KiB read can hold.
+  the ~16,000 empty frames one 64 KiB read can hold. A query that walks a
+  table or the event ring ends the turn by itself. Before each turn, and
+  every ``EXPIRY_CHECK_FRAMES`` frames within one, it expires what is due
+  (``TimerService.expire_due``): the expiry loop's own wake-up would wait
+  for every other connection's turn of the same loop iteration, so a kill
+  waits for a few frames, not a turn per flooding connection.
 """
 
 from __future__ import annotations
@@ -70,6 +75,11 @@ _reply_encoder = msgspec.msgpack.Encoder()
 # Frames served before a connection gives the loop back (about 1-2 ms of work).
 FRAMES_PER_TURN = 64
 ADMIN_FRAMES_PER_TURN = 512
+# Frames served between two looks at the clock for deadlines that passed (~0.1 ms of work).
+EXPIRY_CHECK_FRAMES = 16
+# Replies made by walking the timers, the event ring or the sketches: up to
+# milliseconds each (a full ring is ~2 ms), so each ends its connection's turn.
+_SCANS = (p.TimerList, p.EventBatch, p.Timeline, p.ScopeList, p.StragglerList)
 _REQUEST_COUNTER = {kind: f"socket.{kind.__struct_config__.tag}" for kind in p.Request.__args__}
 
 
@@ -153,15 +163,22 @@ class Session:
         """
         per_turn = ADMIN_FRAMES_PER_TURN if self.peer.admin else FRAMES_PER_TURN
         budget = per_turn
+        timers = self.ports.timers
+        timers.expire_due()
         try:
             for payload in self._splitter.feed(data):
                 budget -= 1
                 if budget < 0:
                     budget = per_turn - 1
                     yield _TURN
+                    timers.expire_due()
+                elif not budget % EXPIRY_CHECK_FRAMES:
+                    timers.expire_due()  # within a turn too: an admin's is ~2 ms
                 reply = self._handle_frame(payload)
                 if reply is None:
                     continue
+                if isinstance(reply, _SCANS):
+                    budget = 0  # it walked a table or the event ring: its turn is over
                 if isinstance(reply, Follow | SendFd | OffLoop):
                     yield reply
                     continue
@@ -170,7 +187,7 @@ class Session:
                     yield Close()
                     return
         except FrameTooLargeError as e:
-            self.ports.timers.bad_input("socket", str(e), b"")
+            timers.bad_input("socket", str(e), b"", self.peer.uid)
             yield encode(p.Error(self.seq, "bad_frame", f"{e}; closing"))
             yield Close()
 
@@ -180,7 +197,7 @@ class Session:
         try:
             request = _request_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
-            self.ports.timers.bad_input("socket", str(e), payload[:64])
+            self.ports.timers.bad_input("socket", str(e), payload[:64], self.peer.uid)
             return p.Error(seq, "bad_request", str(e))
         try:
             return self._dispatch(seq, request)
@@ -225,11 +242,11 @@ class Session:
         error: ErrorReply | None
         target = peer.pid
         match request:
-            case p.Acquire(scope_id, expiration_time, signal, pid):
+            case p.Acquire(scope_id, expiration_time, signal, pid, learn):
                 target = peer.pid if pid is None else pid
                 pinned = peer.handle if pid is None else None
                 error = timers.arm(
-                    peer.requester, target, scope_id, expiration_time, signal, pinned
+                    peer.requester, target, scope_id, expiration_time, signal, pinned, learn
                 )
             case p.Release(scope_id, pid):
                 target = peer.pid if pid is None else pid
@@ -260,15 +277,21 @@ class Session:
             case p.GetScopes():
                 # As for timers: operators see every scope, others those of their processes.
                 return timers.scope_list(seq, None if peer.admin else peer.uid)
+            case p.GetStragglers(job=job):
+                # As for scopes: operators see every rank, others those of their processes
+                # (and, with ``job``, the other nodes' ranks of those processes' jobs).
+                return timers.stragglers.listing(seq, None if peer.admin else peer.uid, job)
+            case p.DeviceTime(scope_id, seconds):
+                error = timers.device_time(peer.pid, scope_id, seconds)
             case p.ListGroups():
                 return p.GroupList(seq, ports.groups.infos())
-            case p.SubmitGroup() | p.StopGroup() | p.RestartGroup():
+            case p.SubmitGroup() | p.StopGroup() | p.RestartGroup() | p.InjectFault():
                 return self._control_group(seq, request)
             case p.Hello():
                 return p.Error(seq, "bad_request", "hello was already sent on this connection")
         if error is None:
             return None
-        timers.refused("socket", target, getattr(request, "scope_id", ""), error)
+        timers.refused("socket", target, getattr(request, "scope_id", ""), error, peer.uid)
         return p.Error(seq, *error)
 
     def _read_dump(self, seq: int, dump_id: str) -> p.Reply:
@@ -285,11 +308,14 @@ class Session:
         return p.DumpTrace(seq, info, rank, data)
 
     def _control_group(
-        self, seq: int, request: p.SubmitGroup | p.StopGroup | p.RestartGroup
+        self, seq: int, request: p.SubmitGroup | p.StopGroup | p.RestartGroup | p.InjectFault
     ) -> p.Reply:
         if not self.peer.admin:
             return p.Error(
-                seq, "refused", "only root and the admin group may submit, stop or restart groups"
+                seq,
+                "refused",
+                "only root and the admin group may submit, stop, restart or inject faults into "
+                "groups",
             )
         groups = self.ports.groups
         try:
@@ -303,5 +329,8 @@ class Session:
                 case p.RestartGroup(name):
                     groups.restart(name)
                     return p.Ok(seq, f"group {name} restarting")
+                case p.InjectFault(name, fault):
+                    groups.inject(name, fault)
+                    return p.Ok(seq, f"{fault.kind} injected into rank {fault.rank} of {name}")
         except GroupError as e:
             return p.Error(seq, "group_error", str(e))

@@ -9,6 +9,14 @@ stalls only itself, at a bounded cost. Every ``FRAMES_PER_TURN`` requests
 of one connection it gives the loop back (:class:`~watchdogd.service.session.Turn`),
 so a connection that floods holds the loop for one turn at a time, and
 every other connection and the expiry loop run in between.
+
+A connection past ``limits.max_connections``, or past
+``limits.max_connections_per_uid`` of its uid (root and the admin group are
+held to the first only: they arm the node's timers), is answered
+``Error(-1, limit_exceeded)`` and closed at accept, with a
+``connection_refused`` event (rate-limited, as bad input is). The per-uid
+cap keeps one unprivileged user from taking the whole connection table,
+and bounds how many turns of its own it can have in each loop iteration.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import logging
 import os
 import socket
 import struct
+from collections import Counter
 from collections.abc import Callable
 
 import anyio
@@ -96,6 +105,8 @@ class SocketFront:
     def __init__(self, ports: SessionPorts, admin_gid: int | None) -> None:
         self.ports = ports
         self.admin_gid = admin_gid
+        self.per_uid: Counter[int] = Counter()
+        """Connections open now, by the peer's uid (root's and the admin group's too)."""
 
     async def serve(self, stream: anyio.abc.SocketStream) -> None:
         stats, limits = self.ports.stats, self.ports.timers.limits
@@ -104,21 +115,44 @@ class SocketFront:
             pid, uid, gid = _UCRED.unpack(
                 raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
             )
-            if stats.connections >= limits.max_connections:
-                refusal = p.Error(-1, "limit_exceeded", "too many connections (max_connections)")
-                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await stream.send(encode(refusal))
-                return
             admin = _is_admin(raw, uid, gid, self.admin_gid)
+            per_uid = self.per_uid
+            if stats.connections >= limits.max_connections:
+                reason = f"too many connections (max_connections {limits.max_connections})"
+                await self._refuse(stream, pid, uid, "max_connections", reason)
+                return
+            if not admin and per_uid[uid] >= limits.max_connections_per_uid:
+                reason = (
+                    f"too many connections from uid {uid} "
+                    f"(max_connections_per_uid {limits.max_connections_per_uid})"
+                )
+                await self._refuse(stream, pid, uid, "max_connections_per_uid", reason)
+                return
             peer = Peer(pid, uid, admin, _pin_peer(raw, pid))
             stats.connections += 1
+            per_uid[uid] += 1
             try:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     await self._converse(stream, Session(self.ports, peer))
             finally:
                 stats.connections -= 1
+                per_uid[uid] -= 1
+                if not per_uid[uid]:
+                    del per_uid[uid]
                 if peer.handle is not None:
                     peer.handle.close()
+
+    async def _refuse(
+        self, stream: anyio.abc.SocketStream, pid: int, uid: int, limit: str, reason: str
+    ) -> None:
+        """Answer a connection past ``limit`` with ``Error(-1, limit_exceeded)``; it closes next."""
+        self.ports.stats.connections_refused[limit] += 1
+        if self.ports.timers.noisy.allow("connection_refused", "socket", uid):
+            self.ports.events.emit(
+                "connection_refused", via="socket", uid=uid, pid=pid, limit=limit, reason=reason
+            )
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await stream.send(encode(p.Error(-1, "limit_exceeded", reason)))
 
     async def _converse(self, stream: anyio.abc.SocketStream, session: Session) -> None:
         """Serve one connection until it closes or must be closed."""

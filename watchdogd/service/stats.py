@@ -19,6 +19,7 @@ class Stats:
         "bad_input",
         "bad_inputs",
         "connections",
+        "connections_refused",
         "dropped",
         "escalated",
         "expired",
@@ -27,6 +28,7 @@ class Stats:
         "requests",
         "signalled",
         "signals",
+        "suppressed",
     )
 
     def __init__(self) -> None:
@@ -50,3 +52,7 @@ class Stats:
         """Refused requests, by error code."""
         self.bad_inputs: Counter[str] = Counter()
         """Undecodable input, by transport."""
+        self.connections_refused: Counter[str] = Counter()
+        """Socket connections refused at accept, by the limit they met."""
+        self.suppressed: Counter[str] = Counter()
+        """Events counted but not recorded (over ``max_noisy_events_per_s``), by name."""

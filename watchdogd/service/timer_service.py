@@ -27,7 +27,7 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from signal import SIGKILL
 from typing import Literal, Protocol
 
@@ -37,7 +37,8 @@ import anyio.lowlevel
 
 from watchdogd.core.admission import admit
 from watchdogd.core.config import Config
-from watchdogd.core.policy import Policy, Requester, Target, check, valid_signals
+from watchdogd.core.learned import LearnedDeadlines, LearnKey
+from watchdogd.core.policy import Policy, Requester, Target, check, check_pid, valid_signals
 from watchdogd.core.ports import EventSink, Supervision
 from watchdogd.core.scope_stats import ScopeKey, ScopeStats
 from watchdogd.core.timers import Timer, TimerTable
@@ -47,8 +48,11 @@ from watchdogd.linux.snapshot import SnapshotTimer
 from watchdogd.linux.stacks import StackStore
 from watchdogd.service.reaper import Reaper
 from watchdogd.service.stats import Stats
+from watchdogd.service.stragglers import StragglerWatch
+from watchdogd.service.throttle import NoisyEvents
 from watchdogd.service.timeline import Timeline
 from watchdogd_client import protocol as p
+from watchdogd_client.groups import DeadlineRule
 
 __all__ = ["IDLE_SCOPE", "ErrorReply", "TimerOperations", "TimerService"]
 
@@ -72,15 +76,20 @@ class TimerOperations(Protocol):
         expiration_time: float,
         signal: int,
         pinned: ProcessHandle | None = None,
+        learn: bool = False,
     ) -> ErrorReply | None: ...
 
     def release(self, requester: Requester, pid: int, scope_id: str) -> ErrorReply | None: ...
 
     def release_all(self, requester: Requester, pid: int) -> ErrorReply | None: ...
 
-    def bad_input(self, via: str, reason: str, sample: bytes) -> None: ...
+    def bad_input(self, via: str, reason: str, sample: bytes, uid: int | None = None) -> None: ...
 
-    def refused(self, via: str, pid: int, scope_id: str, error: ErrorReply) -> None: ...
+    def refused(
+        self, via: str, pid: int, scope_id: str, error: ErrorReply, uid: int | None = None
+    ) -> None: ...
+
+    def expire_due(self) -> None: ...
 
 
 def build_policy(config: Config) -> Policy:
@@ -113,6 +122,8 @@ class TimerService:
     ) -> None:
         self.table = TimerTable()
         self.processes: dict[int, ProcessHandle] = {}
+        # uid -> the pids in ``processes`` it owns: a peer's queries walk its own timers only.
+        self._pids_of: dict[int, set[int]] = {}
         self.events = events
         self.stats = stats
         self.supervision = supervision
@@ -126,18 +137,26 @@ class TimerService:
             observe_latency=observe_latency,
         )
         self.limits = config.limits
+        self.noisy = NoisyEvents(events, stats, config.limits.max_noisy_events_per_s)
         self.timeline = Timeline(config.timeline_size)
         self.scope_stats = ScopeStats(
             per_uid=config.limits.max_scope_stats_per_uid,
             per_job=config.limits.max_scope_stats_per_job,
             half_life=config.scope_stats_half_life,
         )
+        self.learned = LearnedDeadlines(
+            config.deadlines, per_uid=config.limits.max_scope_stats_per_uid
+        )
+        self.stragglers = StragglerWatch(config, events, self.scope_stats)
         self._policy = build_policy(config)
         # pid -> (via, uid, admin, signal) the policy allowed, until the process exits.
         self._approved: dict[int, set[tuple[str, int, bool, int]]] = {}
         self._wake = anyio.Event()
         self._dirty = False
         self._changed = anyio.Event()
+        self._load_wanted = anyio.Event()
+        self._expiring = False
+        """The expiry loop runs (so the reaper can act on what a front finds due)."""
 
     def __len__(self) -> int:
         return len(self.table)
@@ -145,9 +164,12 @@ class TimerService:
     def reconfigure(self, config: Config) -> None:
         """Apply reloaded limits, policy and reaper settings; timers are untouched."""
         self.limits = config.limits
+        self.noisy.resize(config.limits.max_noisy_events_per_s)
         self.timeline.resize(config.timeline_size)
         self.scope_stats.per_uid = config.limits.max_scope_stats_per_uid
         self.scope_stats.per_job = config.limits.max_scope_stats_per_job
+        self.learned.reconfigure(config.deadlines, config.limits.max_scope_stats_per_uid)
+        self.stragglers.configure(config)
         self._policy = build_policy(config)
         self._approved.clear()
         self.reaper.settings = config
@@ -166,19 +188,26 @@ class TimerService:
         expiration_time: float,
         signal: int,
         pinned: ProcessHandle | None = None,
+        learn: bool = False,
     ) -> ErrorReply | None:
         """Arm ``(pid, scope_id)``; an error code and message when refused.
 
         ``pinned``: the process ``pid`` must be (a socket peer, by its pidfd).
+        ``learn``: the deadline is learned (:mod:`watchdogd.core.learned`);
+        ``expiration_time`` is the call's initial one, ``inf`` for none.
         """
         if expiration_time < 0 and math.isfinite(expiration_time):
             return self.release(requester, pid, scope_id)
-        rejection = admit(self.limits, self.table, pid, scope_id, expiration_time)
+        checked = 0.0 if learn and expiration_time == math.inf else expiration_time
+        rejection = admit(self.limits, self.table, pid, scope_id, checked)
         if rejection is not None:
             return rejection
         handle = self.processes.get(pid)
         new_handle = handle is None
         if handle is None:
+            protected = check_pid(self._policy, pid)
+            if protected is not None:
+                return protected.code, protected.reason
             try:
                 if pinned is not None and pinned.pid == pid:
                     if pinned.exited():
@@ -191,6 +220,12 @@ class TimerService:
             except OSError as e:
                 return "refused", f"cannot watch pid {pid}: {e.strerror}"
         refusal = self._permitted(requester, handle, signal)
+        if refusal is None and learn:
+            learned = self._learned_expiration(requester.uid, pid, scope_id, expiration_time)
+            if isinstance(learned, str):
+                refusal = "bad_request", learned
+            else:
+                expiration_time = learned
         if refusal is not None:
             if new_handle:
                 handle.close()
@@ -206,6 +241,39 @@ class TimerService:
             self.table.release(pid, IDLE_SCOPE)  # it holds a timer: not idle
         self._mark_changed()
         return None
+
+    # -- the GroupRuns port ----------------------------------------------------------
+
+    def run_started(self, group: str) -> None:
+        self.learned.forget_group(group)
+        self.stragglers.board.forget_job(group)
+
+    def run_ended(self, group: str) -> None:
+        self.learned.retire_group(group)
+
+    def _learned_expiration(
+        self, uid: int, pid: int, scope_id: str, expiration_time: float
+    ) -> float | str:
+        """The expiration time of a ``LEARN`` arm, or why there is none."""
+        worker = self.supervision.worker(pid)
+        rules: Sequence[DeadlineRule] = ()
+        job, attempt, job_key = "", 0, None
+        if worker is not None:
+            job, attempt, job_key = worker.group, worker.attempt, worker.job_key
+            rules = worker.deadlines
+        outcome = self.learned.resolve(
+            LearnKey.of(job, pid, scope_id),
+            uid,
+            attempt,
+            call_initial=expiration_time != math.inf,
+            group_rules=rules,
+            job_key=job_key,
+        )
+        if self.learned.to_load:
+            self._load_wanted.set()
+        if isinstance(outcome, str):
+            return outcome
+        return expiration_time if outcome.seconds is None else time.time() + outcome.seconds
 
     def release(self, requester: Requester, pid: int, scope_id: str) -> ErrorReply | None:
         timer = self.table.get(pid, scope_id)
@@ -243,7 +311,8 @@ class TimerService:
         """
         if self.table.count_for(pid):
             return
-        idle = self.supervision.idle_timeout(pid)
+        worker = self.supervision.worker(pid)
+        idle = None if worker is None else worker.idle_timeout
         if idle is not None and self.table.arm(
             pid, IDLE_SCOPE, now + idle, SIGKILL, uid=uid, armed=now
         ):
@@ -254,44 +323,93 @@ class TimerService:
         self.timeline.record((timer, now, "released", uid))
         if timer.scope_id == IDLE_SCOPE:
             return  # the daemon's own timer: not a scope of the trainer's
-        placement = self.supervision.rank_of(timer.pid)
-        job, rank = placement if placement is not None else ("", timer.pid)
-        self.scope_stats.add(ScopeKey(job, timer.scope_id, rank), uid, now - timer.armed)
+        held = now - timer.armed
+        worker = self.supervision.worker(timer.pid)
+        # Outside groups the "rank" is the pid (and there is one attempt).
+        job, rank, attempt = (
+            ("", timer.pid, 0) if worker is None else (worker.group, worker.rank, worker.attempt)
+        )
+        key = ScopeKey(job, timer.scope_id, rank)
+        if self.scope_stats.add(key, uid, held) and job:
+            self.stragglers.sample(key, held)  # only a group's ranks are comparable
+        if self.learned.learners:
+            self.learned.observe(LearnKey.of(job, rank, timer.scope_id), attempt, held, rank)
+
+    def device_time(self, pid: int, scope_id: str, seconds: float) -> ErrorReply | None:
+        """What the GPU took for ``pid``'s last ``scope_id``: its straggler sample from now on.
+
+        Only a worker's scope that already has a sketch is scored (the caps hold);
+        anything else is accepted and ignored, as a release of an unknown timer is.
+        """
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return (
+                "bad_request",
+                f"device time must be a finite number of seconds >= 0, got {seconds}",
+            )
+        worker = self.supervision.worker(pid)
+        if worker is None:
+            return None
+        key = ScopeKey(worker.group, scope_id, worker.rank)
+        if key in self.scope_stats.sketches:
+            self.stragglers.sample(key, seconds, device=True)
+        return None
 
     def scope_list(self, seq: int, uid: int | None) -> p.ScopeList:
         """Every scope's statistics, or those of ``uid``'s processes."""
         stats = self.scope_stats
-        scopes = [
-            p.ScopeInfo(
-                job=key.job,
-                scope=key.scope,
-                rank=key.rank,
-                uid=stats.owners[key],
-                count=sketch.count,
-                p50_s=sketch.quantile(0.5),
-                p99_s=sketch.quantile(0.99),
-                max_s=sketch.decayed_max,
-                mean_s=sketch.total / sketch.count,
+        learned = self.learned
+        scopes = []
+        for key, sketch in sorted(stats.sketches.items()):
+            if uid is not None and stats.owners[key] != uid:
+                continue
+            deadline = learned.describe(LearnKey.of(key.job, key.rank, key.scope))
+            scopes.append(
+                p.ScopeInfo(
+                    job=key.job,
+                    scope=key.scope,
+                    rank=key.rank,
+                    uid=stats.owners[key],
+                    count=sketch.count,
+                    p50_s=sketch.quantile(0.5),
+                    p99_s=sketch.quantile(0.99),
+                    max_s=sketch.decayed_max,
+                    mean_s=sketch.total / sketch.count,
+                    deadline_s=None if deadline is None else deadline.seconds,
+                    deadline_source="" if deadline is None else deadline.source,
+                )
             )
-            for key, sketch in sorted(stats.sketches.items())
-            if uid is None or stats.owners[key] == uid
-        ]
-        return p.ScopeList(seq, scopes, stats.refused)
+        return p.ScopeList(seq, scopes, stats.refused + learned.refused)
 
-    def bad_input(self, via: str, reason: str, sample: bytes) -> None:
+    def bad_input(self, via: str, reason: str, sample: bytes, uid: int | None = None) -> None:
+        """Count undecodable input from ``uid`` (None: the FIFO); an event, rate-limited."""
         self.stats.bad_input += 1
         self.stats.bad_inputs[via] += 1
-        self.events.emit(
-            "bad_input", via=via, reason=reason, sample=sample[:200].decode(errors="replace")
-        )
+        if self.noisy.allow("bad_input", via, uid):
+            self.events.emit(
+                "bad_input",
+                via=via,
+                uid=uid,
+                reason=reason,
+                sample=sample[:200].decode(errors="replace"),
+            )
 
-    def refused(self, via: str, pid: int, scope_id: str, error: ErrorReply) -> None:
+    def refused(
+        self, via: str, pid: int, scope_id: str, error: ErrorReply, uid: int | None = None
+    ) -> None:
+        """Count a refused request from ``uid`` (None: the FIFO); an event, rate-limited."""
         self.stats.refused += 1
         code, message = error
         self.stats.refusals[code] += 1
-        self.events.emit(
-            "request_refused", via=via, pid=pid, scope_id=scope_id, code=code, reason=message
-        )
+        if self.noisy.allow("request_refused", via, uid):
+            self.events.emit(
+                "request_refused",
+                via=via,
+                uid=uid,
+                pid=pid,
+                scope_id=scope_id,
+                code=code,
+                reason=message,
+            )
 
     def register_stack_dumps(self, pid: int, signal: int, marker: bool = False) -> int | None:
         """The descriptor a client's faulthandler should write to; None when not wanted.
@@ -330,6 +448,7 @@ class TimerService:
 
     def watch_process(self, handle: ProcessHandle) -> None:
         self.processes[handle.pid] = handle
+        self._pids_of.setdefault(handle.uid, set()).add(handle.pid)
         aio.watch_readable(handle.pidfd, lambda: self._on_process_exit(handle))
 
     def _on_process_exit(self, handle: ProcessHandle) -> None:
@@ -337,10 +456,15 @@ class TimerService:
         handle.close()
         if self.processes.get(handle.pid) is handle:
             del self.processes[handle.pid]
+            owned = self._pids_of[handle.uid]
+            owned.discard(handle.pid)
+            if not owned:
+                del self._pids_of[handle.uid]
         self.reaper.forget(handle)
         self._approved.pop(handle.pid, None)
-        if self.supervision.rank_of(handle.pid) is None:
+        if self.supervision.worker(handle.pid) is None:
             self.scope_stats.forget("", handle.pid)  # its "rank" was its pid
+            self.learned.forget_pid(handle.pid)
         dropped = self.table.release_pid(handle.pid)
         if dropped:
             now = time.monotonic()
@@ -362,12 +486,15 @@ class TimerService:
                 aio.unwatch(handle.pidfd)
             handle.close()
         self.processes.clear()
+        self._pids_of.clear()
 
     # -- expiry ---------------------------------------------------------------------
 
     async def run(self, task_group: anyio.abc.TaskGroup) -> None:
         """The expiry loop; the reaper's captures and escalations run in ``task_group``."""
         self.reaper.attach(task_group)
+        self._expiring = True
+        task_group.start_soon(self.noisy.run)
         table = self.table
         while True:
             deadline = table.next_deadline()
@@ -385,15 +512,36 @@ class TimerService:
             with anyio.move_on_after(delay):
                 await self._wake.wait()
 
+    def expire_due(self) -> None:
+        """Expire what is due now, from a front between two turns of a flood.
+
+        The expiry loop's own wake-up waits for every other callback ready in
+        the same loop iteration: behind N flooding connections, N turns. A
+        front that checks here between its turns bounds that wait to one turn.
+        """
+        if not self._expiring:
+            return  # the expiry loop has not started (a restored snapshot): it will
+        deadline = self.table.next_deadline()
+        if deadline is not None:
+            now = time.monotonic()
+            if deadline <= now:
+                self.expire(now)
+
     def expire(self, now: float) -> None:
-        """Hand every timer due by ``now`` to the reaper."""
+        """Hand every timer due by ``now`` to the reaper, and those due by the time it is done.
+
+        Their events are recorded once every signal went out (see ``Reaper.expire``).
+        """
         self._mark_changed()
-        expired = self.table.pop_expired(now)
         processes = self.processes
-        for timer in expired:
-            handle = processes.get(timer.pid)
-            self.timeline.record((timer, now, "expired", -1 if handle is None else handle.uid))
-        self.reaper.expire(expired)
+        done = []
+        while expired := self.table.pop_expired(now):
+            for timer in expired:
+                handle = processes.get(timer.pid)
+                self.timeline.record((timer, now, "expired", -1 if handle is None else handle.uid))
+            done += self.reaper.expire(expired)
+            now = time.monotonic()
+        self.reaper.record(done)
 
     # -- persistence's port -----------------------------------------------------------
 
@@ -407,6 +555,11 @@ class TimerService:
         await self._changed.wait()
         self._changed = anyio.Event()
         self._dirty = False
+
+    async def wait_load_wanted(self) -> None:
+        """Return once a job's saved learned deadlines are wanted (``learned.to_load``)."""
+        await self._load_wanted.wait()
+        self._load_wanted = anyio.Event()
 
     def snapshot_timers(self, size: int = 1000) -> Iterator[list[SnapshotTimer]]:
         """The live timers as snapshot records, ``size`` at a time (wall-clock deadlines)."""
@@ -455,7 +608,7 @@ class TimerService:
 
         At most ``timeline_size`` live ones, whichever come first, unsorted: for an
         operator the work on the loop stays bounded however many timers the node
-        holds; for others it is a scan for their own, as ``timer_list``'s.
+        holds; for others, as for ``timer_list``, only their own are walked.
         """
         processes = self.processes
 
@@ -463,8 +616,18 @@ class TimerService:
             handle = processes.get(timer.pid)
             return -1 if handle is None else handle.uid
 
-        live = ((t, owner(t)) for t in self.table if uid is None or owner(t) == uid)
+        live: Iterable[tuple[Timer, int]] = (
+            ((t, owner(t)) for t in self.table)
+            if uid is None
+            else ((t, uid) for t in self._owned(uid))
+        )
         return self.timeline.spans(itertools.islice(live, self.timeline.ended.maxlen or 0), uid)
+
+    def _owned(self, uid: int) -> Iterator[Timer]:
+        """The live timers on ``uid``'s processes: a walk of those, not of the table."""
+        table = self.table
+        for pid in self._pids_of.get(uid, ()):
+            yield from table.of_pid(pid)
 
     def timer_list(self, seq: int, uid: int | None) -> p.TimerList:
         """The soonest timers (of processes of ``uid``; all when None), and how many exist."""
@@ -473,8 +636,7 @@ class TimerService:
             timers: Iterable[Timer] = self.table
             total = len(self.table)
         else:
-            processes = self.processes
-            own = [t for t in self.table if t.pid in processes and processes[t.pid].uid == uid]
+            own = list(self._owned(uid))
             timers, total = own, len(own)
         now = time.monotonic()
         wall = time.time()

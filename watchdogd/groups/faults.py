@@ -1,0 +1,170 @@
+"""Faults on demand: a group's injected faults, delivered once each, as the real ones.
+
+``watchdogd run --inject`` (the group's ``faults``) and ``watchdogctl
+inject`` queue a :class:`~watchdogd_client.groups.Fault`; ``after`` seconds
+later (from the group's start, or from the request) it reaches the worker
+of its global rank on this node, waiting for the next attempt's workers
+if that rank has none running:
+
+- ``sigstop`` and ``kill``: the daemon sends SIGSTOP or SIGKILL to the
+  worker's process group (a trainer under a wrapper script too). A stopped
+  worker is found by its timer (or the idle timeout), as a real one is;
+  a killed one is a worker failure.
+- ``hang``, ``exit`` and ``slow``: the worker's timer client carries them
+  out (``watchdogd_client._faults``): the daemon writes the fault into the
+  worker's fault file (in a directory of its own, ``mkdtemp``: 0700,
+  never one a user could have planted) and sends the fault signal to the
+  worker itself, once it catches
+  it (its first timer client installs the handler). One that does not
+  within 30 s is never sent it, which would kill it: the fault is
+  reported undelivered instead.
+
+Each delivery is a ``fault_injected`` event, and the failure it causes is
+reported with "(injected fault: KIND)".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from watchdogd.core.ports import EventSink
+from watchdogd.linux.procs import catches_signal
+from watchdogd.linux.snapshot import write_atomically
+from watchdogd_client._faults import FAULT_FILE_ENV, FAULT_SIGNAL_ENV, Injected
+from watchdogd_client.groups import Fault
+
+__all__ = ["FAULT_SIGNAL", "FaultInjector", "RankProcess"]
+
+FAULT_SIGNAL = signal.SIGRTMIN + 2
+# A worker just started may not have made its timer client (its handler) yet.
+_HANDLER_WAIT = 30.0
+_HANDLER_POLL = 0.05
+_encoder = msgspec.json.Encoder()
+
+
+class RankProcess(NamedTuple):
+    """The running worker of a global rank."""
+
+    pid: int
+    pidfd: int
+    local_rank: int
+
+
+class FaultInjector:
+    def __init__(
+        self, group: str, events: EventSink, worker_of: Callable[[int], RankProcess | None]
+    ) -> None:
+        self.group = group
+        self.events = events
+        self.directory = Path(tempfile.mkdtemp(prefix=f"watchdogd-faults-{group}-"))
+        self.worker_of = worker_of
+        self.injected: dict[int, str] = {}
+        """Pid -> the kind of fault injected into it (its failure report says so)."""
+        self._queue, self._queued = anyio.create_memory_object_stream[Fault](math.inf)
+        self._started = anyio.Event()
+
+    def workers_started(self) -> None:
+        """An attempt's workers run: faults waiting for their rank look again."""
+        self._started.set()
+        self._started = anyio.Event()
+
+    def env(self, local_rank: int) -> dict[str, str]:
+        """What each worker gets, so that its timer client takes the fault signal."""
+        return {
+            FAULT_SIGNAL_ENV: str(int(FAULT_SIGNAL)),
+            FAULT_FILE_ENV: str(self.directory / f"{local_rank}.json"),
+        }
+
+    def schedule(self, fault: Fault) -> None:
+        self._queue.send_nowait(fault)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg, self._queued:
+            async for fault in self._queued:
+                tg.start_soon(self._deliver, fault)
+
+    async def _deliver(self, fault: Fault) -> None:
+        await anyio.sleep(fault.after)
+        while (worker := self.worker_of(fault.rank)) is None:
+            await self._started.wait()
+        send: Callable[[], None]
+        if fault.kind in ("sigstop", "kill"):
+            number = signal.SIGSTOP if fault.kind == "sigstop" else signal.SIGKILL
+            send = partial(_signal_group, worker, number)
+        else:
+            path = self.directory / f"{worker.local_rank}.json"
+            injected = Injected(fault.kind, fault.code, fault.factor)
+            if not await self._prepare_when_caught(worker, fault.rank, path, injected):
+                self.events.emit(
+                    "fault_not_delivered",
+                    group=self.group,
+                    kind=fault.kind,
+                    rank=fault.rank,
+                    pid=worker.pid,
+                    reason=f"the worker took no fault signal in {_HANDLER_WAIT:.0f} s "
+                    "(it made no timer client), or ended",
+                )
+                return
+            if self.worker_of(fault.rank) != worker:
+                return  # it ended meanwhile: its successor gets nothing of this one's
+            send = partial(signal.pidfd_send_signal, worker.pidfd, FAULT_SIGNAL)
+        try:
+            send()
+        except ProcessLookupError:
+            return
+        self.injected[worker.pid] = fault.kind
+        self.events.emit(
+            "fault_injected",
+            group=self.group,
+            kind=fault.kind,
+            rank=fault.rank,
+            pid=worker.pid,
+            code=fault.code if fault.kind == "exit" else None,
+            factor=fault.factor if fault.kind == "slow" else None,
+            injected=True,
+        )
+
+    async def _prepare_when_caught(
+        self, worker: RankProcess, rank: int, path: Path, injected: Injected
+    ) -> bool:
+        """Wait for the worker to take the fault signal (its first timer client), then write."""
+        for _ in range(int(_HANDLER_WAIT / _HANDLER_POLL)):
+            if await anyio.to_thread.run_sync(self._prepare, worker.pid, path, injected):
+                return True
+            if self.worker_of(rank) != worker:
+                return False
+            await anyio.sleep(_HANDLER_POLL)
+        return False
+
+    @staticmethod
+    def _prepare(pid: int, path: Path, injected: Injected) -> bool:
+        """Write the worker's fault file; False if it would die of the signal instead."""
+        if not catches_signal(pid, FAULT_SIGNAL):
+            return False
+        write_atomically(path, _encoder.encode(injected))
+        return True
+
+
+def _signal_group(worker: RankProcess, number: int) -> None:
+    """As the runner signals a worker: its process group, else (not leading one) itself."""
+    try:
+        os.killpg(worker.pid, number)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(worker.pidfd, number)
