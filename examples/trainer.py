@@ -18,6 +18,13 @@ import time
 import watchdogd_client as wd
 
 
+def say(line: str) -> None:
+    """One line in one write: ranks share the console, and print() under
+    PYTHONUNBUFFERED (which workers get) writes the text and its newline apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
@@ -30,14 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         with wd.expires(after=args.step_timeout, scope="train_step"):
             if step == args.crash_at:
-                print(f"rank {rank}: crashing at step {step}", flush=True)
+                say(f"rank {rank}: crashing at step {step}")
                 return 1
             if step == args.hang_at:
-                print(f"rank {rank}: hanging at step {step}", flush=True)
+                say(f"rank {rank}: hanging at step {step}")
                 while True:
                     time.sleep(3600)
             time.sleep(args.step_time)
-        print(f"rank {rank}: step {step} done", flush=True)
+        say(f"rank {rank}: step {step} done")
     return 0
 
 

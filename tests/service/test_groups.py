@@ -30,12 +30,14 @@ def script(tmp_path: Path, code: str) -> str:
     return str(path)
 
 
-def test_success_exits_zero(tmp_path: Path) -> None:
-    out = run("--nproc-per-node", "3", TRAINER, "--steps", "2")
+def test_success_exits_zero_and_ranks_sharing_the_console_keep_their_lines_whole(
+    tmp_path: Path,
+) -> None:
+    out = run("--nproc-per-node", "3", TRAINER, "--steps", "300", "--step-time", "0")
     assert out.returncode == 0, out.stderr
-    assert sorted(line for line in out.stdout.splitlines() if "step 1 done" in line) == [
-        f"rank {r}: step 1 done" for r in range(3)
-    ]
+    assert sorted(out.stdout.splitlines()) == sorted(
+        f"rank {r}: step {s} done" for r in range(3) for s in range(300)
+    )
     assert "SUCCEEDED" in out.stderr
 
 
