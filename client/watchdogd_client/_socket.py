@@ -1,11 +1,20 @@
 """The socket client: pipelined timer requests and blocking queries.
 
-``acquire``/``release`` write one frame and return: the daemon answers them
-only when they fail, and a failure is raised by the first call made a
-millisecond or more after it arrived (after that call's own request was
-sent, so a release is never held back by an older error).
-:meth:`SocketTimerClient.sync` waits until the daemon has processed
-everything sent so far.
+``acquire`` writes one frame and returns: the daemon answers it only when it
+fails, and a failure is raised by the first call made a millisecond or more
+after it arrived (after that call's own request was sent, so a release is
+never held back by an older error). :meth:`SocketTimerClient.sync` waits
+until the daemon has processed everything sent so far.
+
+``release`` sends nothing when it can help it. The daemon hands each
+connection a page of release slots (shared memory); the first 256 scopes a
+connection arms get one each, and releasing such a timer writes the time
+and the arm's expiration time into its slot, two stores and no system call. The
+daemon reads the slot when the deadline comes (released: no kill, the scope's
+held time recorded as of the release), when the scope is armed again, and
+before it answers a query about timers, scopes or stragglers. Other timers
+(learned ones, another process's, scopes beyond the slots, a daemon that
+offers none) are released with a frame.
 
 The client remembers the scopes it holds. When the daemon goes away (it was
 restarted, or upgraded), the next call reconnects and re-arms them before
@@ -26,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import math
+import mmap
 import os
 import select
 import signal as _signal
@@ -52,6 +62,7 @@ __all__ = ["SocketTimerClient"]
 _R = TypeVar("_R", bound=p.Reply)
 
 _encoder = msgspec.msgpack.Encoder()
+_encode = _encoder.encode
 _reply_decoder = msgspec.msgpack.Decoder(p.Reply)
 # How often acquire/release look for error replies (see _raise_pending).
 _PENDING_CHECK_NS = 1_000_000
@@ -62,12 +73,11 @@ _PENDING_CHECK_NS = 1_000_000
 # of that float, is joined around msgspec's encoding of the real one. Bounded:
 # a program that names a scope per step refills it instead of growing it.
 _FRAME_CACHE_SIZE = 1024
-_acquire_frames: dict[tuple[str, int], tuple[bytes, bytes] | None] = {}
-"""(scope, signal) -> the frame before and after the deadline (None: cannot be cut)."""
 _release_frames: dict[str, bytes] = {}
 # A positive float: msgspec writes it as 0xcb then a byte below 0x80, and no
 # UTF-8 text has 0xcb before such a byte, so no scope name can contain it.
 _PLACEHOLDER = 1.5
+_SLOT_BYTES = 8 * p.RELEASE_SLOT_FLOATS
 _live_clients: weakref.WeakSet[SocketTimerClient] = weakref.WeakSet()
 # stack signal -> the faulthandler file its dump marker goes to (the last one registered).
 _marker_fds: dict[int, int] = {}
@@ -100,9 +110,9 @@ def _cache(cache: dict[_K, _V], key: _K, value: _V) -> _V:
     return value
 
 
-def _acquire_parts(scope_id: str, signal: int) -> tuple[bytes, bytes] | None:
+def _acquire_parts(scope_id: str, signal: int, slot: int) -> tuple[bytes, bytes] | None:
     """The framed ``Acquire`` of ``scope_id`` cut around its deadline, if it can be."""
-    data = frame(_encoder.encode(p.Acquire(scope_id, _PLACEHOLDER, signal)))
+    data = frame(_encoder.encode(p.Acquire(scope_id, _PLACEHOLDER, signal, release_slot=slot)))
     placeholder = _encoder.encode(_PLACEHOLDER)
     if data.count(placeholder) != 1:
         return None
@@ -110,20 +120,28 @@ def _acquire_parts(scope_id: str, signal: int) -> tuple[bytes, bytes] | None:
     return head, tail
 
 
-def _acquire_frame(scope_id: str, expiration_time: float, signal: int) -> bytes:
-    """``frame(encode(Acquire(scope_id, expiration_time, signal)))``, from the cache.
+class _AcquireFrame:
+    """A scope's framed ``Acquire`` on one connection, made by joining cached bytes.
 
-    msgspec writes every float in 9 bytes (float64), so the frame's length
-    is the placeholder's and only the deadline's bytes differ.
+    msgspec writes every float in 9 bytes (float64), so the frame's length is
+    the placeholder's and only the deadline's bytes differ.
     """
-    key = (scope_id, signal)
-    try:
-        parts = _acquire_frames[key]
-    except KeyError:
-        parts = _cache(_acquire_frames, key, _acquire_parts(scope_id, signal))
-    if parts is None:
-        return frame(_encoder.encode(p.Acquire(scope_id, expiration_time, signal)))
-    return parts[0] + _encoder.encode(expiration_time) + parts[1]
+
+    __slots__ = ("parts", "scope_id", "signal", "slot")
+
+    def __init__(self, scope_id: str, signal: int, slot: int) -> None:
+        self.scope_id = scope_id
+        self.signal = signal
+        self.slot = slot
+        self.parts = _acquire_parts(scope_id, signal, slot)
+
+    def __call__(self, expiration_time: float) -> bytes:
+        """``frame(encode(Acquire(...)))`` for this deadline."""
+        parts = self.parts
+        if parts is None:
+            acquire = p.Acquire(self.scope_id, expiration_time, self.signal, release_slot=self.slot)
+            return frame(_encoder.encode(acquire))
+        return parts[0] + _encode(expiration_time) + parts[1]
 
 
 class SocketTimerClient(TimerClient):
@@ -161,8 +179,15 @@ class SocketTimerClient(TimerClient):
         self._errors: list[RequestError] = []
         self._next_check = 0
         """When ``_raise_pending`` next polls for replies (``time.monotonic_ns()``)."""
-        self._held: dict[str, tuple[float, int, bool]] = {}
-        """Scope -> (expiration time, signal, learned): what a reconnect re-arms."""
+        self._held: dict[str, tuple[float, int, bool, int]] = {}
+        """Scope -> (expiration time, signal, learned, release slot): what a
+        reconnect re-arms, and how to release it."""
+        self._slots: memoryview[float] | None = None
+        """The float64s of the connection's release slots (None: it has none)."""
+        self._slot_of: dict[str, int] = {}
+        """Scope -> its release slot on this connection (-1: none left)."""
+        self._acquire_frames: dict[str, _AcquireFrame] = {}
+        """Scope -> its acquire frame on this connection (with its slot and signal)."""
         self.welcome: p.Welcome | None = None
         self.stack_signal = stack_signal
         self._stack_fd = -1
@@ -176,9 +201,45 @@ class SocketTimerClient(TimerClient):
         if expiration_time < 0:
             self.release(scope_id)
             return
-        self._send_frame(_acquire_frame(scope_id, float(expiration_time), self.signal))
-        self._held[scope_id] = (expiration_time, self.signal, False)
-        self._raise_pending()
+        sock = self._sock or self._connect()  # the slots are the connection's
+        expiration_time = float(expiration_time)
+        make = self._acquire_frames.get(scope_id)
+        if make is None or make.signal != self.signal:
+            make = self._acquire_frame_of(scope_id)
+        slot = make.slot
+        if slot >= 0 and self._slots is not None and self._slots[2 * slot] == expiration_time:
+            # The slot says "released" for this very deadline: this arm goes without it.
+            slot = -1
+            make = _AcquireFrame(scope_id, self.signal, slot)
+        held = self._held
+        previous = held.get(scope_id)
+        held[scope_id] = (expiration_time, self.signal, False, slot)
+        parts = make.parts  # its join inline: a call is a tenth of an acquire
+        data = (
+            make(expiration_time)
+            if parts is None
+            else parts[0] + _encode(expiration_time) + parts[1]
+        )
+        try:
+            # The usual case inline (the kernel has room); else _send_frame, which waits
+            # or reconnects, re-arming this acquire from ``_held``.
+            try:
+                sent = sock.send(data)
+            except OSError:
+                sent = 0
+            if sent == len(data):
+                self._next_seq += 1
+            else:
+                self._send_frame(memoryview(data)[sent:] if sent else data, rearmed=True)
+        except BaseException:
+            # Not armed: a later reconnect must not re-arm it.
+            if previous is None:
+                held.pop(scope_id, None)
+            else:
+                held[scope_id] = previous
+            raise
+        if self._errors or time.monotonic_ns() >= self._next_check:
+            self._raise_pending()
 
     def acquire_learned(self, scope_id: str, initial: float | None) -> None:
         """Arm ``scope_id`` with the deadline the daemon learned for it (``LEARN``).
@@ -188,14 +249,22 @@ class SocketTimerClient(TimerClient):
         """
         expiration_time = math.inf if initial is None else time.time() + initial
         self._send(p.Acquire(scope_id, expiration_time, self.signal, learn=True))
-        self._held[scope_id] = (expiration_time, self.signal, True)
+        self._held[scope_id] = (expiration_time, self.signal, True, -1)
         self._raise_pending()
 
     def release(self, scope_id: str) -> None:
         """Disarm ``scope_id`` for this process."""
         if _faults.active is not None:
             _faults.hang_if_injected()
-        self._held.pop(scope_id, None)
+        held = self._held.pop(scope_id, None)
+        slots = self._slots
+        if held is not None and held[3] >= 0 and slots is not None:
+            i = 2 * held[3]
+            slots[i + 1] = time.time()
+            slots[i] = held[0]  # last: the daemon reads this first
+            if self._errors or time.monotonic_ns() >= self._next_check:
+                self._raise_pending()
+            return
         data = _release_frames.get(scope_id)
         if data is None:
             data = _cache(_release_frames, scope_id, frame(_encoder.encode(p.Release(scope_id))))
@@ -317,6 +386,7 @@ class SocketTimerClient(TimerClient):
             self._poller.unregister(self._sock)
             self._sock.close()
             self._sock = None
+        self._slots = None
 
     def __enter__(self) -> SocketTimerClient:
         return self
@@ -330,8 +400,12 @@ class SocketTimerClient(TimerClient):
         """Send one request; its seq. Errors already waiting are collected, not raised."""
         return self._send_frame(frame(_encoder.encode(message)))
 
-    def _send_frame(self, data: bytes) -> int:
-        """Send one framed request; its seq."""
+    def _send_frame(self, data: bytes | memoryview, rearmed: bool = False) -> int:
+        """Send one framed request; its seq.
+
+        ``rearmed``: it is an acquire already in ``_held``, so a reconnect's
+        re-arm sends it (fitted to the new connection's slots) instead.
+        """
         sock = self._sock or self._connect()
         try:
             self._sendall(sock, data)
@@ -342,12 +416,14 @@ class SocketTimerClient(TimerClient):
             # what we hold, then send this request.
             self.close()
             sock = self._connect()
+            if rearmed:
+                return self._next_seq - 1
             self._sendall(sock, data)
         seq = self._next_seq
         self._next_seq += 1
         return seq
 
-    def _sendall(self, sock: socket.socket, data: bytes) -> None:
+    def _sendall(self, sock: socket.socket, data: bytes | memoryview) -> None:
         """Send without waiting when the kernel has room (the usual case), else wait, bounded.
 
         The socket is non-blocking: a blocking one with a timeout costs a
@@ -376,6 +452,7 @@ class SocketTimerClient(TimerClient):
         # A poll() costs more than the rest of an acquire; a clock read is a
         # tenth of one. Looking at most every _PENDING_CHECK_NS bounds how late
         # an answer is seen: the first call that long after it arrived raises it.
+        # (acquire and release test the same before they call, to save the call.)
         now = time.monotonic_ns()
         if now >= self._next_check:
             self._next_check = now + _PENDING_CHECK_NS
@@ -421,14 +498,63 @@ class SocketTimerClient(TimerClient):
         self.welcome = welcome
         if stack_signal is not None and welcome.stack_dumps and fds:
             self._register_faulthandler(stack_signal, fds.pop(0), marker)
+        if welcome.release_slots and fds:
+            self._map_slots(fds.pop(0), welcome.release_slots)
         for fd in fds:
             os.close(fd)
-        for scope_id, (expiration_time, signal, learn) in self._held.items():
+        if self._slots is None:
+            self._slot_of.clear()
+        self._acquire_frames.clear()  # their slots may have changed
+        for scope_id, (expiration_time, signal, learn, slot) in self._held.items():
+            if self._slots is None and slot >= 0:
+                slot = -1
+                self._held[scope_id] = (expiration_time, signal, learn, slot)
             # A learned one is resolved again, by the daemon now serving.
-            rearm = p.Acquire(scope_id, expiration_time, signal, learn=learn)
+            rearm = p.Acquire(
+                scope_id,
+                expiration_time,
+                signal,
+                learn=learn,
+                release_slot=slot,
+            )
             self._sendall(sock, frame(_encoder.encode(rearm)))
             self._next_seq += 1
         return sock
+
+    def _map_slots(self, fd: int, count: int) -> None:
+        """Map the release slots the daemon handed over (``fd`` is closed either way)."""
+        try:
+            count = min(count, os.fstat(fd).st_size // _SLOT_BYTES)
+            mapping = mmap.mmap(fd, count * _SLOT_BYTES)
+        except (OSError, ValueError):
+            return  # releases go as frames
+        finally:
+            os.close(fd)
+        self._slots = memoryview(mapping).cast("d")
+        if any(slot >= count for slot in self._slot_of.values()):
+            self._slot_of.clear()
+
+    def _acquire_frame_of(self, scope_id: str) -> _AcquireFrame:
+        """Make (and keep, bounded) ``scope_id``'s acquire frame on this connection."""
+        slot = self._slot_of.get(scope_id)
+        if slot is None:
+            slot = self._assign_slot(scope_id)
+        return _cache(self._acquire_frames, scope_id, _AcquireFrame(scope_id, self.signal, slot))
+
+    def _assign_slot(self, scope_id: str) -> int:
+        """A release slot of its own for ``scope_id``, or -1 (none left, or none at all).
+
+        A slot is never handed to another scope: a timer of the old one may
+        still be the daemon's, watching that slot.
+        """
+        slots = self._slots
+        if slots is None:
+            return -1
+        slot = len(self._slot_of)
+        if slot >= len(slots) // p.RELEASE_SLOT_FLOATS:
+            return -1  # not kept: a program naming a scope per step must not grow it
+        self._slot_of[scope_id] = slot
+        return slot
 
     def _free_stack_signal(self) -> int | None:
         """The stack signal, if nobody else handles it (or we registered it ourselves)."""
@@ -442,7 +568,7 @@ class SocketTimerClient(TimerClient):
     def _recv_welcome(self, sock: socket.socket) -> list[int]:
         """Read the start of the welcome, keeping any descriptor that came with it."""
         try:
-            data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 1)
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
         except OSError as e:
             raise DaemonUnavailableError(self.path, e.strerror or type(e).__name__) from None
         if not data:
@@ -530,6 +656,8 @@ def _forget_connections_after_fork() -> None:
             client._sock.close()
             client._sock = None
             client._poller = select.poll()
+        client._slots = None  # the parent's: a child writing there would release its timers
+        client._slot_of.clear()
         client._held.clear()
         client._errors.clear()
 

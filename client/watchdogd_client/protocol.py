@@ -41,6 +41,7 @@ __all__ = [
     "FRAME_HEADER_SIZE",
     "MAX_FRAME_SIZE",
     "PROTOCOL_VERSION",
+    "RELEASE_SLOT_FLOATS",
     "Acquire",
     "DeviceTime",
     "DumpInfo",
@@ -94,6 +95,20 @@ MAX_FRAME_SIZE: Final = 64 * 1024 * 1024
 # What a client's handler appends to its faulthandler file once faulthandler's
 # dump is written (``Hello.dump_marker``). faulthandler escapes every control
 # character it prints, so NUL bytes never occur in a dump.
+RELEASE_SLOT_FLOATS: Final = 2
+"""A release slot is two float64s in the host's order: (released timer, released at).
+
+A release without a request. To release a timer armed with
+``Acquire(scope, e, release_slot=i)``, the client writes the wall-clock time
+into the second field of slot ``i``, then ``e`` (the expiration time, as
+sent) into the first; the daemon reads the slot when the timer's deadline
+comes (or when the scope is armed again, or listed) and finds it released
+iff the first field is ``e``. So an arm whose ``e`` is already in its slot
+(the deadline of the scope's last release, again) must not use the slot.
+The daemon makes the memfd (sealed against shrinking, so reading it can
+never fault) and owns it; the client only writes slots of its own timers.
+"""
+
 DUMP_MARKER: Final = b"\x00watchdogd: end of dump\x00\n"
 
 ErrorCode = Literal[
@@ -178,6 +193,9 @@ class Acquire(msgspec.Struct, tag="acquire", tag_field="op"):
     signal: int = _SIGKILL
     pid: int | None = None
     learn: bool = False
+    release_slot: int = -1
+    """Index of the release slot (see :class:`Welcome`) that will mark this
+    timer released; -1: only a :class:`Release` releases it. Own timers only."""
 
 
 class Release(msgspec.Struct, tag="release", tag_field="op"):
@@ -329,6 +347,9 @@ class Welcome(msgspec.Struct, tag="welcome", tag_field="op"):
     peer_uid: int
     stack_dumps: bool = False
     """A faulthandler file descriptor came with this reply."""
+    release_slots: int = 0
+    """A memfd of this many release slots came with this reply (after the
+    faulthandler file): see :data:`RELEASE_SLOT_FLOATS`."""
 
 
 class Synced(msgspec.Struct, tag="synced", tag_field="op"):

@@ -10,6 +10,8 @@ Rules
   soonest first, and forgets them.
 - ``next_deadline()`` is the earliest live deadline, so the daemon sleeps
   exactly until then (no polling interval).
+- A timer may carry a :class:`ReleaseMark`: its owner can release it by
+  writing memory, and the table still holds it until someone asks.
 
 Theory of operation
 -------------------
@@ -27,17 +29,50 @@ stays O(log n) amortized.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 import msgspec
 
-__all__ = ["Source", "Timer", "TimerTable"]
+__all__ = ["ReleaseMark", "Source", "Timer", "TimerTable"]
 
 Source = Literal["fifo", "socket"]
 
 # Below this many entries a rebuild costs more than the dead entries do.
 _COMPACT_MIN = 64
+
+
+class ReleaseMark:
+    """Where a timer's owner marks it released without a request: a slot of
+    floats it shares with the daemon (``watchdogd_client.protocol.RELEASE_SLOT_FLOATS``).
+
+    Reading it is a read of memory; the table never does. Whoever acts on a
+    timer's deadline, lists it or re-arms its key asks :meth:`released_at`.
+    """
+
+    __slots__ = ("expiration_time", "index", "slots")
+
+    def __init__(self, slots: Sequence[float], index: int, expiration_time: float) -> None:
+        self.slots = slots
+        self.index = index
+        self.expiration_time = expiration_time
+        """As the owner sent it: what it writes into the slot to release this timer."""
+
+    def released_at(self) -> float | None:
+        """The wall-clock time the owner released the timer at; None while it holds it."""
+        slots, i = self.slots, 2 * self.index
+        # The owner writes the time, then the expiration time: read in the other order.
+        if slots[i] != self.expiration_time:
+            return None
+        return slots[i + 1]
+
+    # Heap order never depends on it (the fields before it decide): two timers
+    # only get this far in a tie, and then neither goes first.
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return False
 
 
 class Timer(msgspec.Struct, order=True, gc=False):
@@ -51,6 +86,9 @@ class Timer(msgspec.Struct, order=True, gc=False):
     uid: int  # the requester's, -1 when unknown (FIFO); an int so heap order never fails
     armed: float = 0.0
     """When it was armed, on the deadline's clock (a job's timeline shows it from then)."""
+    release: ReleaseMark | None = None
+    """Before ``live``: msgspec orders by the last field with ``<`` itself, even on a
+    tie, and ``None < None`` has no answer."""
     live: bool = True
 
 
@@ -94,9 +132,10 @@ class TimerTable:
         source: Source = "socket",
         uid: int = -1,
         armed: float = 0.0,
+        release: ReleaseMark | None = None,
     ) -> bool:
         """Arm or re-arm ``(pid, scope_id)`` at ``armed``. True when it is the new earliest."""
-        timer = Timer(deadline, pid, scope_id, signal, source, uid, armed)
+        timer = Timer(deadline, pid, scope_id, signal, source, uid, armed, release)
         scopes = self._by_pid.get(pid)
         if scopes is None:
             scopes = self._by_pid[pid] = {}

@@ -47,7 +47,9 @@ import msgspec
 
 from watchdogd.core.policy import Requester
 from watchdogd.core.ports import GroupControl, GroupError
+from watchdogd.core.timers import ReleaseMark
 from watchdogd.linux.procs import ProcessHandle
+from watchdogd.linux.release_slots import SLOTS, create_release_slots
 from watchdogd.linux.stacks import StackStore
 from watchdogd.service.eventlog import EventLog
 from watchdogd.service.stats import Stats
@@ -114,10 +116,10 @@ class Peer:
 
 
 class SendFd(NamedTuple):
-    """Send this encoded reply with ``fd`` attached (``SCM_RIGHTS``), then close ``fd``."""
+    """Send this encoded reply with ``fds`` attached (``SCM_RIGHTS``), then close them."""
 
     data: bytes
-    fd: int
+    fds: list[int]
 
 
 class Follow(NamedTuple):
@@ -153,6 +155,8 @@ class Session:
         self.peer = peer
         self.seq = 0
         self.greeted = False
+        self.release_slots: memoryview[float] | None = None
+        """The float64s of the connection's release slots, once the welcome offered them."""
         self._splitter = FrameSplitter(ports.timers.limits.max_frame)
 
     def feed(self, data: bytes) -> Iterator[Outgoing]:
@@ -220,18 +224,27 @@ class Session:
         self.greeted = True
         peer = self.peer
         welcome = p.Welcome(seq, p.PROTOCOL_VERSION, os.getpid(), peer.pid, peer.uid)
-        if request.stack_signal is None:
-            return welcome
-        try:
-            fd = self.ports.timers.register_stack_dumps(
-                peer.pid, request.stack_signal, request.dump_marker
-            )
-        except OSError as e:
-            log.error("cannot open a stack dump file for pid %d: %s", peer.pid, e.strerror)
-            fd = None
-        if fd is None:
-            return welcome
-        return SendFd(encode(msgspec.structs.replace(welcome, stack_dumps=True)), fd)
+        fds = []
+        fd = None
+        if request.stack_signal is not None:
+            try:
+                fd = self.ports.timers.register_stack_dumps(
+                    peer.pid, request.stack_signal, request.dump_marker
+                )
+            except OSError as e:
+                log.error("cannot open a stack dump file for pid %d: %s", peer.pid, e.strerror)
+        if fd is not None:
+            fds.append(fd)
+            welcome.stack_dumps = True
+        if self.ports.timers.lazy_release_for(peer.pid):
+            try:
+                fd, self.release_slots = create_release_slots()
+            except OSError as e:
+                log.error("cannot make release slots for pid %d: %s", peer.pid, e.strerror)
+            else:
+                fds.append(fd)
+                welcome.release_slots = SLOTS
+        return SendFd(encode(welcome), fds) if fds else welcome
 
     def _dispatch(self, seq: int, request: p.Request) -> p.Reply | Follow | SendFd | OffLoop | None:
         if not self.greeted:
@@ -242,12 +255,23 @@ class Session:
         error: ErrorReply | None
         target = peer.pid
         match request:
-            case p.Acquire(scope_id, expiration_time, signal, pid, learn):
+            case p.Acquire(scope_id, expiration_time, signal, pid, learn, slot):
                 target = peer.pid if pid is None else pid
                 pinned = peer.handle if pid is None else None
-                error = timers.arm(
-                    peer.requester, target, scope_id, expiration_time, signal, pinned, learn
-                )
+                release = None if slot < 0 else self._release_mark(slot, expiration_time, pid)
+                if isinstance(release, str):
+                    error = "bad_request", release
+                else:
+                    error = timers.arm(
+                        peer.requester,
+                        target,
+                        scope_id,
+                        expiration_time,
+                        signal,
+                        pinned,
+                        learn,
+                        release,
+                    )
             case p.Release(scope_id, pid):
                 target = peer.pid if pid is None else pid
                 error = timers.release(peer.requester, target, scope_id)
@@ -258,8 +282,10 @@ class Session:
                 return p.Synced(seq)
             case p.ListTimers():
                 # Operators see every timer; others only those on their own processes.
+                timers.settle_released(None if peer.admin else peer.uid)
                 return timers.timer_list(seq, None if peer.admin else peer.uid)
             case p.GetStatus():
+                timers.settle_released(None if peer.admin else peer.uid)
                 return ports.status(seq, peer.admin)
             case p.GetEvents(since_ms=since_ms, limit=limit, follow=follow):
                 if follow:
@@ -273,13 +299,16 @@ class Session:
                 return OffLoop(seq, partial(self._read_trace, seq, dump_id, rank))
             case p.GetTimeline():
                 # As for timers: operators see every one, others those of their processes.
+                timers.settle_released(None if peer.admin else peer.uid)
                 return p.Timeline(seq, timers.timeline_spans(None if peer.admin else peer.uid))
             case p.GetScopes():
                 # As for timers: operators see every scope, others those of their processes.
+                timers.settle_released(None if peer.admin else peer.uid)
                 return timers.scope_list(seq, None if peer.admin else peer.uid)
             case p.GetStragglers(job=job):
                 # As for scopes: operators see every rank, others those of their processes
                 # (and, with ``job``, the other nodes' ranks of those processes' jobs).
+                timers.settle_released(None if peer.admin else peer.uid)
                 return timers.stragglers.listing(seq, None if peer.admin else peer.uid, job)
             case p.DeviceTime(scope_id, seconds):
                 error = timers.device_time(peer.pid, scope_id, seconds)
@@ -293,6 +322,18 @@ class Session:
             return None
         timers.refused("socket", target, getattr(request, "scope_id", ""), error, peer.uid)
         return p.Error(seq, *error)
+
+    def _release_mark(
+        self, slot: int, expiration_time: float, pid: int | None
+    ) -> ReleaseMark | str:
+        """The mark of an acquire's release slot, or why it cannot have one."""
+        if self.release_slots is None:
+            return "release_slot: this connection has no release slots"
+        if pid is not None:
+            return "release_slot: only for the caller's own timers (no pid)"
+        if not 0 <= slot < SLOTS:
+            return f"release_slot: {slot} is not in 0..{SLOTS - 1}"
+        return ReleaseMark(self.release_slots, slot, expiration_time)
 
     def _read_dump(self, seq: int, dump_id: str) -> p.Reply:
         found = self.ports.stacks.read(dump_id)

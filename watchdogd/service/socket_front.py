@@ -180,9 +180,9 @@ class SocketFront:
                         pending += len(outgoing)
                         if pending >= limit:
                             await flush()
-                    case SendFd(reply, fd):
+                    case SendFd(reply, fds):
                         await flush()
-                        await self._send_with_fd(stream, reply, fd)
+                        await self._send_with_fds(stream, reply, fds)
                     case OffLoop(seq, work):
                         await flush()
                         await stream.send(await self._off_loop(seq, work))
@@ -241,11 +241,12 @@ class SocketFront:
         scope.cancel()
 
     @staticmethod
-    async def _send_with_fd(stream: anyio.abc.SocketStream, reply: bytes, fd: int) -> None:
+    async def _send_with_fds(stream: anyio.abc.SocketStream, reply: bytes, fds: list[int]) -> None:
         try:
             if isinstance(stream, anyio.abc.UNIXSocketStream):
-                await stream.send_fds(reply, [fd])
+                await stream.send_fds(reply, fds)
             else:
                 await stream.send(reply)
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)

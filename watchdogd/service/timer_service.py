@@ -41,7 +41,7 @@ from watchdogd.core.learned import LearnedDeadlines, LearnKey
 from watchdogd.core.policy import Policy, Requester, Target, check, check_pid, valid_signals
 from watchdogd.core.ports import EventSink, Supervision
 from watchdogd.core.scope_stats import ScopeKey, ScopeStats
-from watchdogd.core.timers import Timer, TimerTable
+from watchdogd.core.timers import ReleaseMark, Timer, TimerTable
 from watchdogd.linux import aio
 from watchdogd.linux.procs import ProcessHandle, ancestors, open_process
 from watchdogd.linux.snapshot import SnapshotTimer
@@ -189,12 +189,14 @@ class TimerService:
         signal: int,
         pinned: ProcessHandle | None = None,
         learn: bool = False,
+        release: ReleaseMark | None = None,
     ) -> ErrorReply | None:
         """Arm ``(pid, scope_id)``; an error code and message when refused.
 
         ``pinned``: the process ``pid`` must be (a socket peer, by its pidfd).
         ``learn``: the deadline is learned (:mod:`watchdogd.core.learned`);
         ``expiration_time`` is the call's initial one, ``inf`` for none.
+        ``release``: where the owner can mark the timer released without a request.
         """
         if expiration_time < 0 and math.isfinite(expiration_time):
             return self.release(requester, pid, scope_id)
@@ -233,9 +235,13 @@ class TimerService:
         if new_handle:
             self.watch_process(handle)
         now = time.monotonic()
-        deadline = now + (expiration_time - time.time())
+        wall = time.time()
+        old = self.table.get(pid, scope_id)
+        if old is not None and old.release is not None:
+            self._settle(old, now, wall, handle.uid)  # its release comes to light now
+        deadline = now + (expiration_time - wall)
         source: Literal["fifo", "socket"] = requester.via
-        if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid, now):
+        if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid, now, release):
             self._wake.set()
         if scope_id != IDLE_SCOPE:
             self.table.release(pid, IDLE_SCOPE)  # it holds a timer: not idle
@@ -304,6 +310,15 @@ class TimerService:
         self._mark_changed()
         return None
 
+    def lazy_release_for(self, pid: int) -> bool:
+        """Whether ``pid``'s connections get release slots (a release without a request).
+
+        Not for a worker with an idle timeout: the daemon must see at once
+        that it holds no timer.
+        """
+        worker = self.supervision.worker(pid)
+        return worker is None or worker.idle_timeout is None
+
     def _arm_idle(self, pid: int, now: float, uid: int) -> None:
         """A worker with an idle timeout that holds no timer now gets the ``(idle)`` one.
 
@@ -317,6 +332,44 @@ class TimerService:
             pid, IDLE_SCOPE, now + idle, SIGKILL, uid=uid, armed=now
         ):
             self._wake.set()
+
+    @staticmethod
+    def _marked_released(timer: Timer, now: float, wall: float) -> float | None:
+        """When (monotonic) the owner marked ``timer`` released in its slot; None if not.
+
+        However much later the daemon looks, its scope's statistics get the
+        time it was held.
+        """
+        at = None if timer.release is None else timer.release.released_at()
+        return None if at is None else max(timer.armed, now - max(0.0, wall - at))
+
+    def _settle(self, timer: Timer, now: float, wall: float, uid: int) -> bool:
+        """Release ``timer`` if its owner marked it released; whether it had."""
+        released = self._marked_released(timer, now, wall)
+        if released is None:
+            return False
+        self.table.release(timer.pid, timer.scope_id)
+        self._released(timer, released, uid)
+        return True
+
+    def settle_released(self, uid: int | None) -> None:
+        """Release what the owners (``uid``'s processes; everyone's for None) marked released.
+
+        Before a query answers from the table or the statistics, so that what
+        a client released before its ``sync()`` is gone from its listing.
+        """
+        timers = list(self.table if uid is None else self._owned(uid))
+        now, wall = time.monotonic(), time.time()
+        settled = {}
+        for timer in timers:
+            if timer.release is not None:
+                owner = self.processes[timer.pid].uid
+                if self._settle(timer, now, wall, owner):
+                    settled[timer.pid] = owner
+        for pid, owner in settled.items():
+            self._arm_idle(pid, now, owner)
+        if settled:
+            self._mark_changed()
 
     def _released(self, timer: Timer, now: float, uid: int) -> None:
         """A timer its owner released: on the timeline, and a sample of its scope's duration."""
@@ -462,15 +515,23 @@ class TimerService:
                 del self._pids_of[handle.uid]
         self.reaper.forget(handle)
         self._approved.pop(handle.pid, None)
+        now, wall = time.monotonic(), time.time()
+        timers = self.table.release_pid(handle.pid)
+        dropped = []
+        for timer in timers:
+            released = self._marked_released(timer, now, wall)
+            if released is None:
+                dropped.append(timer)
+            else:  # it had ended before its process did
+                self._released(timer, released, handle.uid)
         if self.supervision.worker(handle.pid) is None:
             self.scope_stats.forget("", handle.pid)  # its "rank" was its pid
             self.learned.forget_pid(handle.pid)
-        dropped = self.table.release_pid(handle.pid)
+        if timers:
+            self._mark_changed()
         if dropped:
-            now = time.monotonic()
             for timer in dropped:
                 self.timeline.record((timer, now, "dropped", handle.uid))
-            self._mark_changed()
             self.stats.dropped += len(dropped)
             self.events.emit(
                 "timers_dropped",
@@ -535,10 +596,19 @@ class TimerService:
         self._mark_changed()
         processes = self.processes
         done = []
-        while expired := self.table.pop_expired(now):
-            for timer in expired:
+        while popped := self.table.pop_expired(now):
+            expired = []
+            for timer in popped:
                 handle = processes.get(timer.pid)
-                self.timeline.record((timer, now, "expired", -1 if handle is None else handle.uid))
+                uid = -1 if handle is None else handle.uid
+                if timer.release is not None:
+                    released = self._marked_released(timer, now, time.time())
+                    if released is not None:  # not due after all: it had ended
+                        self._released(timer, released, uid)
+                        self._arm_idle(timer.pid, now, uid)
+                        continue
+                self.timeline.record((timer, now, "expired", uid))
+                expired.append(timer)
             done += self.reaper.expire(expired)
             now = time.monotonic()
         self.reaper.record(done)
@@ -578,7 +648,9 @@ class TimerService:
                     t.uid,
                 )
                 for t in entries[start : start + size]
-                if t.live and t.pid in processes
+                if t.live
+                and t.pid in processes
+                and (t.release is None or t.release.released_at() is None)
             ]
 
     def restore_timer(self, saved: SnapshotTimer, now: float, wall: float) -> bool:

@@ -1,0 +1,215 @@
+"""Releases without a request: the socket client marks a timer released in shared memory.
+
+Real trainers in child processes against an in-process daemon: what the
+daemon does when a slot-released timer's deadline comes, when its scope is
+armed again, when the daemon restarts and when the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from functools import partial
+from pathlib import Path
+
+import anyio
+import pytest
+
+import watchdogd_client as wd
+from watchdogd.linux.release_slots import SLOTS
+from watchdogd_client import protocol as p
+from watchdogd_client.groups import GroupSpec
+
+from ..conftest import exit_code, python, running_daemon, wait_for
+
+pytestmark = pytest.mark.anyio
+
+# Five short timers released well before their deadlines, then a wait past them all.
+RELEASED_EARLY = """
+    import sys, time
+    import watchdogd_client as wd
+    c = wd.SocketTimerClient(sys.argv[1])
+    for _ in range(5):
+        with wd.expires(after=0.3, scope="step", client=c):
+            time.sleep(0.02)
+    print(c.welcome.release_slots, flush=True)
+    time.sleep(0.6)
+    print("alive", flush=True)
+    sys.stdin.readline()
+"""
+
+
+async def start(code: str, *args: str) -> subprocess.Popen[str]:
+    """A trainer, forked off the loop the daemon runs on."""
+    return await anyio.to_thread.run_sync(
+        partial(python, code, *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    )
+
+
+async def line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    return await anyio.to_thread.run_sync(proc.stdout.readline)
+
+
+async def test_a_timer_released_by_its_slot_is_not_killed_and_its_time_is_recorded(
+    short_dir: Path,
+) -> None:
+    async with running_daemon(short_dir) as daemon:
+        trainer = await start(RELEASED_EARLY, str(daemon.socket_path))
+        try:
+            assert await line(trainer) == f"{SLOTS}\n"
+            assert await line(trainer) == "alive\n"  # every deadline passed meanwhile
+            assert trainer.poll() is None
+            assert daemon.stats.requests["socket.release"] == 0  # no release was sent
+            assert daemon.stats.requests["socket.acquire"] == 5
+            daemon.timers.settle_released(None)
+            (sketch,) = [
+                s for k, s in daemon.timers.scope_stats.sketches.items() if k.scope == "step"
+            ]
+            assert sketch.count == 5
+            assert 0.015 <= sketch.quantile(0.5) < 0.15  # held ~20 ms, not until the deadline
+            assert len(daemon.timers.table) == 0
+            assert daemon.stats.expired == 0
+        finally:
+            with trainer:
+                trainer.kill()
+
+
+async def test_a_scope_armed_again_after_a_slot_release_still_expires(short_dir: Path) -> None:
+    code = """
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        for _ in range(3):
+            with wd.expires(after=0.3, scope="step", client=c):
+                pass
+        with wd.expires(after=0.3, scope="step", client=c):
+            time.sleep(60)  # hung
+    """
+    async with running_daemon(short_dir) as daemon:
+        trainer = await start(code, str(daemon.socket_path))
+        with trainer:
+            started = time.monotonic()
+            assert await exit_code(trainer) == -signal.SIGKILL
+            assert time.monotonic() - started < 5
+        assert daemon.stats.expired == 1
+
+
+async def test_the_same_deadline_armed_again_after_its_release_still_expires(
+    short_dir: Path,
+) -> None:
+    # The slot holds that deadline as "released": the second arm must not use it.
+    code = """
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        deadline = time.time() + 0.4
+        c.acquire("step", deadline)
+        c.release("step")
+        c.acquire("step", deadline)
+        time.sleep(60)  # hung
+    """
+    async with running_daemon(short_dir) as daemon:
+        trainer = await start(code, str(daemon.socket_path))
+        with trainer:
+            assert await exit_code(trainer) == -signal.SIGKILL
+        assert daemon.stats.expired == 1
+
+
+async def test_a_restarted_daemon_does_not_restore_what_slots_released(short_dir: Path) -> None:
+    code = f"""
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient({str(short_dir / "watchdogd.sock")!r})
+        c.acquire("held", time.time() + 60)
+        c.acquire("done", time.time() + 60)
+        c.release("done")
+        c.sync()
+        print("armed", flush=True)
+        sys.stdin.readline()
+    """
+    trainer = python(code, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        async with running_daemon(short_dir) as daemon:
+            assert await line(trainer) == "armed\n"
+            # Both are in the table: the daemon has not looked at "done"'s slot yet.
+            assert sorted(t.scope_id for t in daemon.timers.table) == ["done", "held"]
+        async with running_daemon(short_dir) as daemon:
+            assert [t.scope_id for t in daemon.timers.table] == ["held"]
+    finally:
+        with trainer:
+            trainer.kill()
+
+
+async def test_a_process_that_exits_after_slot_releases_drops_no_timer(short_dir: Path) -> None:
+    code = """
+        import sys
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        for scope in ("load", "step", "save"):
+            with wd.expires(after=60, scope=scope, client=c):
+                pass
+        c.sync()
+    """
+    async with running_daemon(short_dir) as daemon:
+        trainer = await start(code, str(daemon.socket_path))
+        with trainer:
+            assert await exit_code(trainer) == 0
+        await wait_for(lambda: trainer.pid not in daemon.timers.processes)
+        assert len(daemon.timers.table) == 0
+        assert daemon.stats.dropped == 0  # they had ended: released, not dropped
+        assert not [e for e in daemon.events.since(None, None) if e.name == "timers_dropped"]
+
+
+async def test_a_release_slot_is_for_the_callers_own_timers_within_the_page(
+    short_dir: Path,
+) -> None:
+    async with running_daemon(short_dir) as daemon:
+        client = wd.SocketTimerClient(daemon.socket_path)
+        deadline = time.time() + 60
+
+        def refused(acquire: p.Acquire) -> str:
+            client._send(acquire)
+            with pytest.raises(wd.RequestError) as caught:
+                client.sync()
+            assert caught.value.code == "bad_request"
+            return str(caught.value)
+
+        try:
+            await anyio.to_thread.run_sync(client.sync)
+            outside = p.Acquire("x", deadline, 9, release_slot=SLOTS)
+            assert (
+                f"release_slot: {SLOTS} is not in 0..{SLOTS - 1}"
+                in await anyio.to_thread.run_sync(refused, outside)
+            )
+            other = p.Acquire("x", deadline, 9, pid=os.getpid(), release_slot=0)
+            assert "only for the caller's own timers" in await anyio.to_thread.run_sync(
+                refused, other
+            )
+            assert len(daemon.timers.table) == 0
+        finally:
+            client.close()
+
+
+async def test_a_worker_with_an_idle_timeout_gets_no_slots(short_dir: Path) -> None:
+    # The daemon must see at once that such a worker holds no timer.
+    out = short_dir / "slots"
+    code = f"""
+        import watchdogd_client as wd
+        client = wd.get_client()
+        client.sync()
+        open({str(out)!r}, "w").write(str(client.welcome.release_slots))
+    """
+    spec = GroupSpec(
+        name="train",
+        entrypoint=[sys.executable, "-c", textwrap.dedent(code)],
+        nproc=1,
+        idle_timeout=30,
+    )
+    async with running_daemon(short_dir, groups=[spec]):
+        await wait_for(lambda: out.exists() and out.read_text() != "", 30)
+    assert out.read_text() == "0"
