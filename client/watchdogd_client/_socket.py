@@ -7,14 +7,19 @@ never held back by an older error). :meth:`SocketTimerClient.sync` waits
 until the daemon has processed everything sent so far.
 
 ``release`` sends nothing when it can help it. The daemon hands each
-connection a page of release slots (shared memory); the first 256 scopes a
-connection arms get one each, and releasing such a timer writes the time
-and the arm's expiration time into its slot, two stores and no system call. The
-daemon reads the slot when the deadline comes (released: no kill, the scope's
-held time recorded as of the release), when the scope is armed again, and
-before it answers a query about timers, scopes or stragglers. Other timers
-(learned ones, another process's, scopes beyond the slots, a daemon that
-offers none) are released with a frame.
+connection a page of release slots (shared memory, see
+:data:`~watchdogd_client.protocol.RELEASE_SLOT_FLOATS`); the first 255
+scopes a connection arms get one each. Both sides count the acquires sent
+with a slot; releasing such a timer writes the time and that count into its
+slot, two stores and no system call, and the daemon takes every arm up to
+the count as released when it looks (when the deadline comes, the scope is
+armed again, the process exits, or a query needs it). Other timers (learned
+ones, another process's, scopes beyond the slots, a daemon that offers none)
+are released with a frame, as is every timer once the daemon has marked the
+page closed (it is going away: the frame finds that out and reconnects).
+After a reconnect the client sends a release for every scope it released
+through the old page, so a daemon that restored it from a snapshot lets go
+of it too.
 
 The client remembers the scopes it holds. When the daemon goes away (it was
 restarted, or upgraded), the next call reconnects and re-arms them before
@@ -144,6 +149,13 @@ class _AcquireFrame:
         return parts[0] + _encode(expiration_time) + parts[1]
 
 
+def _release_frame(scope_id: str) -> bytes:
+    data = _release_frames.get(scope_id)
+    if data is None:
+        data = _cache(_release_frames, scope_id, frame(_encoder.encode(p.Release(scope_id))))
+    return data
+
+
 class SocketTimerClient(TimerClient):
     """A connection to the daemon's Unix socket.
 
@@ -179,13 +191,15 @@ class SocketTimerClient(TimerClient):
         self._errors: list[RequestError] = []
         self._next_check = 0
         """When ``_raise_pending`` next polls for replies (``time.monotonic_ns()``)."""
-        self._held: dict[str, tuple[float, int, bool, int]] = {}
-        """Scope -> (expiration time, signal, learned, release slot): what a
-        reconnect re-arms, and how to release it."""
+        self._held: dict[str, tuple[float, int, bool, int, float]] = {}
+        """Scope -> (expiration time, signal, learned, release slot, its arm count):
+        what a reconnect re-arms, and how to release it."""
         self._slots: memoryview[float] | None = None
         """The float64s of the connection's release slots (None: it has none)."""
         self._slot_of: dict[str, int] = {}
-        """Scope -> its release slot on this connection (-1: none left)."""
+        """Scope -> its release slot on this connection."""
+        self._arms: list[float] = []
+        """Per slot: the acquires sent with it on this connection (the daemon counts too)."""
         self._acquire_frames: dict[str, _AcquireFrame] = {}
         """Scope -> its acquire frame on this connection (with its slot and signal)."""
         self.welcome: p.Welcome | None = None
@@ -207,13 +221,13 @@ class SocketTimerClient(TimerClient):
         if make is None or make.signal != self.signal:
             make = self._acquire_frame_of(scope_id)
         slot = make.slot
-        if slot >= 0 and self._slots is not None and self._slots[2 * slot] == expiration_time:
-            # The slot says "released" for this very deadline: this arm goes without it.
-            slot = -1
-            make = _AcquireFrame(scope_id, self.signal, slot)
+        arm = 0.0
+        if slot > 0:
+            arms = self._arms
+            arms[slot] = arm = arms[slot] + 1.0
         held = self._held
         previous = held.get(scope_id)
-        held[scope_id] = (expiration_time, self.signal, False, slot)
+        held[scope_id] = (expiration_time, self.signal, False, slot, arm)
         parts = make.parts  # its join inline: a call is a tenth of an acquire
         data = (
             make(expiration_time)
@@ -249,7 +263,7 @@ class SocketTimerClient(TimerClient):
         """
         expiration_time = math.inf if initial is None else time.time() + initial
         self._send(p.Acquire(scope_id, expiration_time, self.signal, learn=True))
-        self._held[scope_id] = (expiration_time, self.signal, True, -1)
+        self._held[scope_id] = (expiration_time, self.signal, True, -1, 0.0)
         self._raise_pending()
 
     def release(self, scope_id: str) -> None:
@@ -258,17 +272,14 @@ class SocketTimerClient(TimerClient):
             _faults.hang_if_injected()
         held = self._held.pop(scope_id, None)
         slots = self._slots
-        if held is not None and held[3] >= 0 and slots is not None:
+        if held is not None and held[3] > 0 and slots is not None and not slots[0]:
             i = 2 * held[3]
             slots[i + 1] = time.time()
-            slots[i] = held[0]  # last: the daemon reads this first
+            slots[i] = held[4]  # last: the daemon reads this first
             if self._errors or time.monotonic_ns() >= self._next_check:
                 self._raise_pending()
             return
-        data = _release_frames.get(scope_id)
-        if data is None:
-            data = _cache(_release_frames, scope_id, frame(_encoder.encode(p.Release(scope_id))))
-        self._send_frame(data)
+        self._send_frame(_release_frame(scope_id))
         self._raise_pending()
 
     # -- beyond torch ----------------------------------------------------------
@@ -498,25 +509,26 @@ class SocketTimerClient(TimerClient):
         self.welcome = welcome
         if stack_signal is not None and welcome.stack_dumps and fds:
             self._register_faulthandler(stack_signal, fds.pop(0), marker)
+        released_by_slot = [scope for scope in self._slot_of if scope not in self._held]
+        self._slot_of.clear()  # the old page's
+        self._acquire_frames.clear()  # their slots with it
         if welcome.release_slots and fds:
             self._map_slots(fds.pop(0), welcome.release_slots)
         for fd in fds:
             os.close(fd)
-        if self._slots is None:
-            self._slot_of.clear()
-        self._acquire_frames.clear()  # their slots may have changed
-        for scope_id, (expiration_time, signal, learn, slot) in self._held.items():
-            if self._slots is None and slot >= 0:
-                slot = -1
-                self._held[scope_id] = (expiration_time, signal, learn, slot)
+        # The daemon before may have died before it read those slots; the one
+        # now serving may have restored the timers from its snapshot.
+        for scope_id in released_by_slot:
+            self._sendall(sock, _release_frame(scope_id))
+            self._next_seq += 1
+        for scope_id, (expiration_time, signal, learn, _, _) in self._held.items():
+            slot = -1 if learn else self._assign_slot(scope_id)
+            arm = 0.0
+            if slot > 0:
+                self._arms[slot] = arm = 1.0
+            self._held[scope_id] = (expiration_time, signal, learn, slot, arm)
             # A learned one is resolved again, by the daemon now serving.
-            rearm = p.Acquire(
-                scope_id,
-                expiration_time,
-                signal,
-                learn=learn,
-                release_slot=slot,
-            )
+            rearm = p.Acquire(scope_id, expiration_time, signal, learn=learn, release_slot=slot)
             self._sendall(sock, frame(_encoder.encode(rearm)))
             self._next_seq += 1
         return sock
@@ -531,8 +543,7 @@ class SocketTimerClient(TimerClient):
         finally:
             os.close(fd)
         self._slots = memoryview(mapping).cast("d")
-        if any(slot >= count for slot in self._slot_of.values()):
-            self._slot_of.clear()
+        self._arms = [0.0] * count
 
     def _acquire_frame_of(self, scope_id: str) -> _AcquireFrame:
         """Make (and keep, bounded) ``scope_id``'s acquire frame on this connection."""
@@ -544,14 +555,13 @@ class SocketTimerClient(TimerClient):
     def _assign_slot(self, scope_id: str) -> int:
         """A release slot of its own for ``scope_id``, or -1 (none left, or none at all).
 
-        A slot is never handed to another scope: a timer of the old one may
-        still be the daemon's, watching that slot.
+        Slot 0 is the page's header. A slot is never handed to another scope:
+        a timer of the old one may still be the daemon's, watching that slot.
         """
-        slots = self._slots
-        if slots is None:
+        if self._slots is None:
             return -1
-        slot = len(self._slot_of)
-        if slot >= len(slots) // p.RELEASE_SLOT_FLOATS:
+        slot = len(self._slot_of) + 1
+        if slot >= len(self._arms):
             return -1  # not kept: a program naming a scope per step must not grow it
         self._slot_of[scope_id] = slot
         return slot
@@ -658,6 +668,7 @@ def _forget_connections_after_fork() -> None:
             client._poller = select.poll()
         client._slots = None  # the parent's: a child writing there would release its timers
         client._slot_of.clear()
+        client._arms = []
         client._held.clear()
         client._errors.clear()
 

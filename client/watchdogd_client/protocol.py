@@ -96,17 +96,19 @@ MAX_FRAME_SIZE: Final = 64 * 1024 * 1024
 # dump is written (``Hello.dump_marker``). faulthandler escapes every control
 # character it prints, so NUL bytes never occur in a dump.
 RELEASE_SLOT_FLOATS: Final = 2
-"""A release slot is two float64s in the host's order: (released timer, released at).
+"""A release slot is two float64s in the host's order: (released arms, released at).
 
-A release without a request. To release a timer armed with
-``Acquire(scope, e, release_slot=i)``, the client writes the wall-clock time
-into the second field of slot ``i``, then ``e`` (the expiration time, as
-sent) into the first; the daemon reads the slot when the timer's deadline
-comes (or when the scope is armed again, or listed) and finds it released
-iff the first field is ``e``. So an arm whose ``e`` is already in its slot
-(the deadline of the scope's last release, again) must not use the slot.
-The daemon makes the memfd (sealed against shrinking, so reading it can
-never fault) and owns it; the client only writes slots of its own timers.
+A release without a request. Client and daemon both count, per slot and
+connection, the acquires sent with ``release_slot=i``: the n-th such arm is
+arm n of slot i. To release it, the client writes the wall-clock time into
+the second field of slot ``i``, then n into the first; the daemon takes
+every arm of slot i up to the first field as released when it looks (when
+the deadline comes, the scope is armed again, the process exits, or a query
+needs it). Slot 0 is the page's header: its first field turns non-zero once
+the daemon reads the page no more (the connection is closing), and a client
+then releases with frames. The daemon makes the memfd (sealed against
+shrinking, so reading it can never fault) and owns it; the client only
+writes slots of its own timers.
 """
 
 DUMP_MARKER: Final = b"\x00watchdogd: end of dump\x00\n"
@@ -194,8 +196,9 @@ class Acquire(msgspec.Struct, tag="acquire", tag_field="op"):
     pid: int | None = None
     learn: bool = False
     release_slot: int = -1
-    """Index of the release slot (see :class:`Welcome`) that will mark this
-    timer released; -1: only a :class:`Release` releases it. Own timers only."""
+    """Index (1 or more) of the release slot (see :class:`Welcome`) that will
+    mark this timer released; -1: only a :class:`Release` releases it. Own
+    timers only."""
 
 
 class Release(msgspec.Struct, tag="release", tag_field="op"):

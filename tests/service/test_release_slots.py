@@ -20,6 +20,7 @@ import anyio
 import pytest
 
 import watchdogd_client as wd
+from watchdogd.core.config import Limits
 from watchdogd.linux.release_slots import SLOTS
 from watchdogd_client import protocol as p
 from watchdogd_client.groups import GroupSpec
@@ -120,6 +121,90 @@ async def test_the_same_deadline_armed_again_after_its_release_still_expires(
         assert daemon.stats.expired == 1
 
 
+async def test_a_refused_rearm_leaves_the_timer_before_it_releasable(short_dir: Path) -> None:
+    # The release counts for every arm of the slot up to it, the refused one's too.
+    code = """
+        import math, sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        c.acquire("step", time.time() + 0.3)
+        c.acquire("step", math.inf)  # refused: not a finite deadline
+        try:
+            c.sync()
+        except wd.RequestError as e:
+            print(e.code, flush=True)
+        c.release("step")
+        time.sleep(0.8)
+        print("alive", flush=True)
+        sys.stdin.readline()
+    """
+    async with running_daemon(short_dir) as daemon:
+        trainer = await start(code, str(daemon.socket_path))
+        try:
+            assert await line(trainer) == "bad_request\n"
+            assert await line(trainer) == "alive\n"
+            assert daemon.stats.expired == 0
+        finally:
+            with trainer:
+                trainer.kill()
+
+
+async def test_released_timers_waiting_to_be_looked_at_do_not_count_against_the_limit(
+    short_dir: Path,
+) -> None:
+    code = """
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        for index in range(6):
+            with wd.expires(after=60, scope=f"phase-{index}", client=c):
+                pass
+        c.sync()
+        print("ok", flush=True)
+    """
+    async with running_daemon(short_dir, limits=Limits(max_timers_per_pid=3)) as daemon:
+        trainer = await start(code, str(daemon.socket_path))
+        with trainer:
+            assert await line(trainer) == "ok\n"  # no limit_exceeded at the 4th
+            assert await exit_code(trainer) == 0
+        assert daemon.stats.refused == 0
+
+
+async def test_a_slot_release_after_the_daemon_restarted_reaches_the_new_one(
+    short_dir: Path,
+) -> None:
+    # The old daemon marked the page closed: the release goes as a frame, which
+    # finds the new daemon (it restored the timer from its snapshot).
+    code = f"""
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient({str(short_dir / "watchdogd.sock")!r})
+        c.acquire("checkpoint", time.time() + 1.5)
+        c.sync()
+        print("armed", flush=True)
+        sys.stdin.readline()  # the daemon restarts meanwhile
+        c.release("checkpoint")
+        time.sleep(2)  # past the deadline
+        print("alive", flush=True)
+        sys.stdin.readline()
+    """
+    trainer = python(code, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert trainer.stdin is not None
+    try:
+        async with running_daemon(short_dir):
+            assert await line(trainer) == "armed\n"
+        async with running_daemon(short_dir) as daemon:
+            assert [t.scope_id for t in daemon.timers.table] == ["checkpoint"]
+            trainer.stdin.write("go\n")
+            trainer.stdin.flush()
+            assert await line(trainer) == "alive\n"
+            assert len(daemon.timers.table) == 0
+            assert daemon.stats.expired == 0
+    finally:
+        with trainer:
+            trainer.kill()
+
+
 async def test_a_restarted_daemon_does_not_restore_what_slots_released(short_dir: Path) -> None:
     code = f"""
         import sys, time
@@ -181,12 +266,16 @@ async def test_a_release_slot_is_for_the_callers_own_timers_within_the_page(
 
         try:
             await anyio.to_thread.run_sync(client.sync)
+            header = p.Acquire("x", deadline, 9, release_slot=0)
+            assert f"release_slot: 0 is not in 1..{SLOTS - 1}" in await anyio.to_thread.run_sync(
+                refused, header
+            )
             outside = p.Acquire("x", deadline, 9, release_slot=SLOTS)
             assert (
-                f"release_slot: {SLOTS} is not in 0..{SLOTS - 1}"
+                f"release_slot: {SLOTS} is not in 1..{SLOTS - 1}"
                 in await anyio.to_thread.run_sync(refused, outside)
             )
-            other = p.Acquire("x", deadline, 9, pid=os.getpid(), release_slot=0)
+            other = p.Acquire("x", deadline, 9, pid=os.getpid(), release_slot=1)
             assert "only for the caller's own timers" in await anyio.to_thread.run_sync(
                 refused, other
             )

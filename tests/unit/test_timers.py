@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import heapq
+import math
+
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from watchdogd.core.timers import TimerTable
+from watchdogd.core.timers import ReleaseMark, Timer, TimerTable
 
 pids = st.integers(min_value=2, max_value=6)
 scopes = st.sampled_from(["a", "b", "c", "d"])
@@ -106,3 +109,23 @@ def test_equal_keys_from_both_transports_never_break_heap_order() -> None:
     table.arm(5, "s", 1.0, 9, "socket", 1000)
     table.arm(5, "s", 1.0, 9, "fifo", -1)
     assert [t.source for t in table.pop_expired(2.0)] == ["fifo"]
+
+
+def test_a_release_mark_counts_every_arm_up_to_the_one_released() -> None:
+    slots = [0.0] * 4
+    mark = ReleaseMark(slots, 1, 2.0)  # the second arm of slot 1
+    assert mark.released_at() is None
+    slots[2:4] = [1.0, 100.0]  # the first arm's release
+    assert mark.released_at() is None
+    slots[2:4] = [3.0, 200.0]  # a later arm's: its re-arm was refused, or unread
+    assert mark.released_at() == 200.0
+    slots[2] = math.nan  # garbage the owner wrote: never a release
+    assert mark.released_at() is None
+
+
+def test_timers_that_tie_up_to_their_marks_still_order() -> None:
+    marked = Timer(1.0, 7, "step", 9, "socket", 0, 0.5, ReleaseMark([0.0, 0.0], 0, 1.0))
+    plain = Timer(1.0, 7, "step", 9, "socket", 0, 0.5)
+    heap = [marked, plain, Timer(1.0, 7, "step", 9, "socket", 0, 0.5)]
+    heapq.heapify(heap)
+    assert not marked < plain and not plain < marked

@@ -50,19 +50,24 @@ class ReleaseMark:
     timer's deadline, lists it or re-arms its key asks :meth:`released_at`.
     """
 
-    __slots__ = ("expiration_time", "index", "slots")
+    __slots__ = ("arm", "index", "slots")
 
-    def __init__(self, slots: Sequence[float], index: int, expiration_time: float) -> None:
+    def __init__(self, slots: Sequence[float], index: int, arm: float) -> None:
         self.slots = slots
         self.index = index
-        self.expiration_time = expiration_time
-        """As the owner sent it: what it writes into the slot to release this timer."""
+        self.arm = arm
+        """Which arm of its slot this timer is: the owner releases it by writing
+        this count (or a later one) into the slot."""
 
     def released_at(self) -> float | None:
-        """The wall-clock time the owner released the timer at; None while it holds it."""
+        """The wall-clock time the owner released the timer at; None while it holds it.
+
+        A later arm's release releases this one too: its own re-arm may have
+        been refused, or still be unread when the old deadline comes.
+        """
         slots, i = self.slots, 2 * self.index
-        # The owner writes the time, then the expiration time: read in the other order.
-        if slots[i] != self.expiration_time:
+        # The owner writes the time, then the count: read in the other order.
+        if not slots[i] >= self.arm:
             return None
         return slots[i + 1]
 

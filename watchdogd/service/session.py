@@ -157,6 +157,10 @@ class Session:
         self.greeted = False
         self.release_slots: memoryview[float] | None = None
         """The float64s of the connection's release slots, once the welcome offered them."""
+        self._arms = [0.0] * SLOTS
+        """Per slot: the acquires that came with it (the client counts them too)."""
+        self._slot_scopes: dict[int, str] = {}
+        """Slot -> the scope whose timers it releases (one per connection)."""
         self._splitter = FrameSplitter(ports.timers.limits.max_frame)
 
     def feed(self, data: bytes) -> Iterator[Outgoing]:
@@ -258,7 +262,7 @@ class Session:
             case p.Acquire(scope_id, expiration_time, signal, pid, learn, slot):
                 target = peer.pid if pid is None else pid
                 pinned = peer.handle if pid is None else None
-                release = None if slot < 0 else self._release_mark(slot, expiration_time, pid)
+                release = None if slot < 0 else self._release_mark(slot, scope_id, pid)
                 if isinstance(release, str):
                     error = "bad_request", release
                 else:
@@ -323,17 +327,31 @@ class Session:
         timers.refused("socket", target, getattr(request, "scope_id", ""), error, peer.uid)
         return p.Error(seq, *error)
 
-    def _release_mark(
-        self, slot: int, expiration_time: float, pid: int | None
-    ) -> ReleaseMark | str:
-        """The mark of an acquire's release slot, or why it cannot have one."""
+    def _release_mark(self, slot: int, scope_id: str, pid: int | None) -> ReleaseMark | str:
+        """The mark of an acquire's release slot (its arm counted), or why it has none."""
         if self.release_slots is None:
             return "release_slot: this connection has no release slots"
         if pid is not None:
             return "release_slot: only for the caller's own timers (no pid)"
-        if not 0 <= slot < SLOTS:
-            return f"release_slot: {slot} is not in 0..{SLOTS - 1}"
-        return ReleaseMark(self.release_slots, slot, expiration_time)
+        if not 0 < slot < SLOTS:
+            return f"release_slot: {slot} is not in 1..{SLOTS - 1}"
+        if self._slot_scopes.setdefault(slot, scope_id) != scope_id:
+            return f"release_slot: {slot} is {self._slot_scopes[slot]!r}'s on this connection"
+        self._arms[slot] += 1.0
+        return ReleaseMark(self.release_slots, slot, self._arms[slot])
+
+    def close(self) -> None:
+        """The connection ended: the page is read no more, its timers keep no mark.
+
+        What the slots released by now is released; the client learns from the
+        header that later releases must be frames (to a daemon it reconnects to).
+        """
+        page = self.release_slots
+        if page is None:
+            return
+        page[0] = 1.0
+        self.ports.timers.unmark(self.peer.pid, self._slot_scopes.values(), page)
+        self.release_slots = None
 
     def _read_dump(self, seq: int, dump_id: str) -> p.Reply:
         found = self.ports.stacks.read(dump_id)

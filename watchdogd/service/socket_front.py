@@ -131,10 +131,12 @@ class SocketFront:
             peer = Peer(pid, uid, admin, _pin_peer(raw, pid))
             stats.connections += 1
             per_uid[uid] += 1
+            session = Session(self.ports, peer)
             try:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await self._converse(stream, Session(self.ports, peer))
+                    await self._converse(stream, session)
             finally:
+                session.close()
                 stats.connections -= 1
                 per_uid[uid] -= 1
                 if not per_uid[uid]:

@@ -151,6 +151,8 @@ class TimerService:
         self._policy = build_policy(config)
         # pid -> (via, uid, admin, signal) the policy allowed, until the process exits.
         self._approved: dict[int, set[tuple[str, int, bool, int]]] = {}
+        # pid -> scope -> its timer armed with a release slot (perhaps replaced since).
+        self._marked: dict[int, dict[str, Timer]] = {}
         self._wake = anyio.Event()
         self._dirty = False
         self._changed = anyio.Event()
@@ -202,6 +204,9 @@ class TimerService:
             return self.release(requester, pid, scope_id)
         checked = 0.0 if learn and expiration_time == math.inf else expiration_time
         rejection = admit(self.limits, self.table, pid, scope_id, checked)
+        if rejection is not None and pid in self._marked:
+            self._settle_pids([pid])  # timers its slots released still count until looked at
+            rejection = admit(self.limits, self.table, pid, scope_id, checked)
         if rejection is not None:
             return rejection
         handle = self.processes.get(pid)
@@ -243,6 +248,10 @@ class TimerService:
         source: Literal["fifo", "socket"] = requester.via
         if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid, now, release):
             self._wake.set()
+        if release is not None:
+            timer = self.table.get(pid, scope_id)
+            assert timer is not None
+            self._marked.setdefault(pid, {})[scope_id] = timer
         if scope_id != IDLE_SCOPE:
             self.table.release(pid, IDLE_SCOPE)  # it holds a timer: not idle
         self._mark_changed()
@@ -291,7 +300,8 @@ class TimerService:
             return refusal
         self.table.release(pid, scope_id)
         now = time.monotonic()
-        self._released(timer, now, handle.uid)
+        released = self._marked_released(timer, now, time.time())
+        self._released(timer, now if released is None else released, handle.uid)
         self._arm_idle(pid, now, handle.uid)
         self._mark_changed()
         return None
@@ -303,9 +313,10 @@ class TimerService:
         refusal = self._permitted(requester, handle, 0)
         if refusal is not None:
             return refusal
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         for timer in self.table.release_pid(pid):
-            self._released(timer, now, handle.uid)
+            released = self._marked_released(timer, now, wall)
+            self._released(timer, now if released is None else released, handle.uid)
         self._arm_idle(pid, now, handle.uid)
         self._mark_changed()
         return None
@@ -356,20 +367,48 @@ class TimerService:
         """Release what the owners (``uid``'s processes; everyone's for None) marked released.
 
         Before a query answers from the table or the statistics, so that what
-        a client released before its ``sync()`` is gone from its listing.
+        a client released before its ``sync()`` is gone from its listing. It
+        walks the timers armed with slots only, not the table.
         """
-        timers = list(self.table if uid is None else self._owned(uid))
+        pids = list(self._marked) if uid is None else self._pids_of.get(uid, ())
+        self._settle_pids([pid for pid in pids if pid in self._marked])
+
+    def _settle_pids(self, pids: Iterable[int]) -> None:
         now, wall = time.monotonic(), time.time()
-        settled = {}
-        for timer in timers:
-            if timer.release is not None:
-                owner = self.processes[timer.pid].uid
-                if self._settle(timer, now, wall, owner):
-                    settled[timer.pid] = owner
-        for pid, owner in settled.items():
-            self._arm_idle(pid, now, owner)
-        if settled:
+        changed = False
+        for pid in pids:
+            marked = self._marked[pid]
+            owner = self.processes[pid].uid
+            for scope_id, timer in list(marked.items()):
+                if self.table.get(pid, scope_id) is not timer or timer.release is None:
+                    del marked[scope_id]  # released, replaced or expired since
+                elif self._settle(timer, now, wall, owner):
+                    del marked[scope_id]
+                    changed = True
+            if not marked:
+                del self._marked[pid]
+            if changed:
+                self._arm_idle(pid, now, owner)
+        if changed:
             self._mark_changed()
+
+    def unmark(self, pid: int, scopes: Iterable[str], slots: Sequence[float]) -> None:
+        """``slots`` (a connection's page) is read no more: settle its timers, unmark the rest."""
+        marked = self._marked.get(pid)
+        handle = self.processes.get(pid)
+        if marked is None or handle is None:
+            return
+        now, wall = time.monotonic(), time.time()
+        for scope_id in scopes:
+            timer = marked.get(scope_id)
+            if timer is None or timer.release is None or timer.release.slots is not slots:
+                continue  # another connection's (or none)
+            del marked[scope_id]
+            live = self.table.get(pid, scope_id) is timer
+            if live and not self._settle(timer, now, wall, handle.uid):
+                timer.release = None
+        if not marked:
+            del self._marked[pid]
 
     def _released(self, timer: Timer, now: float, uid: int) -> None:
         """A timer its owner released: on the timeline, and a sample of its scope's duration."""
@@ -516,6 +555,7 @@ class TimerService:
         self.reaper.forget(handle)
         self._approved.pop(handle.pid, None)
         now, wall = time.monotonic(), time.time()
+        self._marked.pop(handle.pid, None)
         timers = self.table.release_pid(handle.pid)
         dropped = []
         for timer in timers:
