@@ -157,23 +157,41 @@ if attempt == "0" and rank == "1":
 """
 
 
-NICE_REPORTER = """
-    import os
-    def nice(stat):  # field 19; the command name before it may hold spaces
-        return int(open(stat).read().rpartition(")")[2].split()[16])
+PRIORITY_REPORTER = """
+    import os, time
+    import watchdogd_client as wd
+    def sched(stat):  # (nice, policy): fields 19 and 41; the command name may hold spaces
+        fields = open(stat).read().rpartition(")")[2].split()
+        return int(fields[16]), int(fields[38])
     launcher = os.getppid()  # its loop runs on its main thread, whose tid is its pid
-    others = {nice(f"/proc/{launcher}/task/{tid}/stat")
+    def loop():
+        return sched(f"/proc/{launcher}/stat")
+    def becomes(policy):
+        deadline = time.monotonic() + 5
+        while loop()[1] != policy and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return loop()
+    calm = loop()
+    client = wd.SocketTimerClient(signal=0)  # an expiry is only recorded
+    client.acquire("near", time.time() + 0.3)
+    near = becomes(os.SCHED_FIFO)  # 50 ms before the deadline
+    after = becomes(os.SCHED_OTHER)  # its expiry recorded, nothing else due
+    others = {sched(f"/proc/{launcher}/task/{tid}/stat")
               for tid in os.listdir(f"/proc/{launcher}/task") if tid != str(launcher)}
-    print(f"worker={nice('/proc/self/stat')} loop={nice(f'/proc/{launcher}/stat')} "
+    print(f"worker={sched('/proc/self/stat')} calm={calm} near={near} after={after} "
           f"others={sorted(others)}")
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs CAP_SYS_NICE")
-def test_the_loop_runs_above_the_workers_which_start_at_nice_0(tmp_path: Path) -> None:
-    out = run("--nproc-per-node", "1", script(tmp_path, NICE_REPORTER))
+@pytest.mark.skipif(os.geteuid() != 0, reason="real time needs CAP_SYS_NICE")
+def test_the_loop_runs_real_time_only_near_a_deadline_and_workers_start_plain(
+    tmp_path: Path,
+) -> None:
+    out = run("--nproc-per-node", "1", script(tmp_path, PRIORITY_REPORTER))
     assert out.returncode == 0, out.stderr
-    assert "worker=0 loop=-10 others=[0]" in out.stdout, out.stdout
+    plain, fifo = (0, os.SCHED_OTHER), (0, os.SCHED_FIFO)
+    expected = f"worker={plain} calm={plain} near={fifo} after={plain} others={[plain]}"
+    assert expected in out.stdout, out.stdout
 
 
 def test_every_worker_gets_an_error_file_per_attempt_without_a_log_dir(tmp_path: Path) -> None:

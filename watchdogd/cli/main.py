@@ -33,7 +33,7 @@ from watchdogd.linux import aio as _aio
 from watchdogd.linux.config_file import load_config
 from watchdogd.linux.endpoints import EndpointError
 from watchdogd.linux.logsink import stderr_logging
-from watchdogd.linux.priority import raise_loop_priority
+from watchdogd.linux.priority import prepare_loop_priority
 
 __all__ = ["main"]
 
@@ -115,15 +115,16 @@ def _raise_open_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _raise_loop_priority(config: Config, level: int) -> None:
+def _prepare_loop_priority(config: Config, level: int) -> None:
     """On the thread that will run the loop, before it starts any other."""
-    if config.loop_nice is not None and (problem := raise_loop_priority(config.loop_nice)):
-        log.log(level, "%s: it stays at the workers' priority", problem)
+    problem = prepare_loop_priority(config.loop_nice, config.loop_realtime)
+    if problem is not None:
+        log.log(level, "%s", problem)
 
 
 def _serve(config: Config, args: argparse.Namespace) -> int:
     _raise_open_file_limit()
-    _raise_loop_priority(config, logging.INFO)
+    _prepare_loop_priority(config, logging.INFO)
     try:
         daemon = Daemon(config)
     except ConfigError as e:  # an event handler the config names cannot be had
@@ -168,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         with stderr_logging("INFO", "[watchdogd] %(message)s"):
             config = Config()
-            _raise_loop_priority(config, logging.DEBUG)  # an unprivileged user's run: no noise
+            _prepare_loop_priority(config, logging.DEBUG)  # an unprivileged user's run: no noise
             return launch.run(args, config)
     try:
         config = build_config(args)

@@ -127,8 +127,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``/healthz`` answers 503 once the event loop has stalled this long."""
     event_ring_size: PositiveInt = 10_000
     """Recent events kept for ``watchdogctl events``."""
-    loop_nice: Annotated[int, msgspec.Meta(ge=-20, le=19)] | None = -10
-    """The event loop thread's nice value (workers still start at 0); None: leave it."""
+    loop_realtime: bool = True
+    """From 50 ms before a deadline until its signals are sent, the event loop's thread
+    runs ``SCHED_FIFO`` (priority 1), ahead of every trainer's thread; plain otherwise.
+    Needs ``CAP_SYS_NICE`` or ``LimitRTPRIO=1``."""
+    loop_nice: Annotated[int, msgspec.Meta(ge=-20, le=19)] | None = None
+    """The event loop thread's nice value (workers start at 0 or above); None: as started.
+    Below 0 a trainer's request preempts the trainer for the loop's turn (README)."""
     limits: Limits = msgspec.field(default_factory=Limits)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     groups: list[GroupSpec] = []

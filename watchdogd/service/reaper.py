@@ -116,6 +116,8 @@ class Reaper:
         # saving threads at once, each wanting the GIL back after its write,
         # held the loop's thread off it for 50+ ms while it reaped the dead.
         self._savers = anyio.CapacityLimiter(_SAVERS)
+        self.capturing = 0
+        """Expiries whose dump is being taken: their signal is still to come."""
 
     def attach(self, task_group: anyio.abc.TaskGroup) -> None:
         self._task_group = task_group
@@ -210,7 +212,11 @@ class Reaper:
         The save waits for a worker thread (~1 ms, p99 ~2 ms on a 2-core
         node): after the signal, it delays the event, not the kill.
         """
-        captured = await self._capture(timer, handle)
+        self.capturing += 1
+        try:
+            captured = await self._capture(timer, handle)
+        finally:
+            self.capturing -= 1
         outcome = self._send(timer, handle) if first else _RECORDED
         dump = None
         try:

@@ -43,6 +43,7 @@ from watchdogd.core.ports import EventSink, Supervision
 from watchdogd.core.scope_stats import ScopeKey, ScopeStats
 from watchdogd.core.timers import ReleaseMark, Timer, TimerTable
 from watchdogd.linux import aio
+from watchdogd.linux.priority import set_loop_urgent
 from watchdogd.linux.procs import ProcessHandle, ancestors, open_process
 from watchdogd.linux.snapshot import SnapshotTimer
 from watchdogd.linux.stacks import StackStore
@@ -61,6 +62,11 @@ IDLE_SCOPE = "(idle)"
 
 # libuv's timer resolution (uvloop): wake this much early, then watch the clock.
 _TIMER_SLACK = 0.0015
+# How long before a deadline the loop is raised: a calm wake-up on a busy CPU
+# may wait a few milliseconds for it.
+_URGENT_AHEAD = 0.05
+# How often a raised loop looks whether the captures that keep it raised are done.
+_CAPTURE_RECHECK = 0.005
 
 ErrorReply = tuple[p.ErrorCode, str]
 
@@ -610,6 +616,15 @@ class TimerService:
                 continue
             self._wake = anyio.Event()
             delay = math.inf if deadline is None else deadline - now - _TIMER_SLACK
+            # Raised from shortly before a deadline until its dumps are taken and its
+            # signals sent; calm otherwise (see watchdogd.linux.priority).
+            capturing = self.reaper.capturing > 0
+            urgent = delay <= _URGENT_AHEAD or capturing
+            set_loop_urgent(urgent)
+            if not urgent:
+                delay -= _URGENT_AHEAD  # wake calm, raise, then sleep the rest
+            elif capturing:
+                delay = min(delay, _CAPTURE_RECHECK)
             with anyio.move_on_after(delay):
                 await self._wake.wait()
 
