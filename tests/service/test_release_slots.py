@@ -7,12 +7,14 @@ armed again, when the daemon restarts and when the process exits.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 
@@ -44,11 +46,17 @@ RELEASED_EARLY = """
 """
 
 
-async def start(code: str, *args: str) -> subprocess.Popen[str]:
-    """A trainer, forked off the loop the daemon runs on."""
-    return await anyio.to_thread.run_sync(
+@contextlib.asynccontextmanager
+async def trainer_running(code: str, *args: str) -> AsyncIterator[subprocess.Popen[str]]:
+    """A trainer, forked off the loop the daemon runs on; killed (if need be) and reaped."""
+    proc = await anyio.to_thread.run_sync(
         partial(python, code, *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     )
+    with proc:
+        try:
+            yield proc
+        finally:
+            proc.kill()
 
 
 async def line(proc: subprocess.Popen[str]) -> str:
@@ -59,25 +67,21 @@ async def line(proc: subprocess.Popen[str]) -> str:
 async def test_a_timer_released_by_its_slot_is_not_killed_and_its_time_is_recorded(
     short_dir: Path,
 ) -> None:
-    async with running_daemon(short_dir) as daemon:
-        trainer = await start(RELEASED_EARLY, str(daemon.socket_path))
-        try:
-            assert await line(trainer) == f"{SLOTS}\n"
-            assert await line(trainer) == "alive\n"  # every deadline passed meanwhile
-            assert trainer.poll() is None
-            assert daemon.stats.requests["socket.release"] == 0  # no release was sent
-            assert daemon.stats.requests["socket.acquire"] == 5
-            daemon.timers.settle_released(None)
-            (sketch,) = [
-                s for k, s in daemon.timers.scope_stats.sketches.items() if k.scope == "step"
-            ]
-            assert sketch.count == 5
-            assert 0.015 <= sketch.quantile(0.5) < 0.15  # held ~20 ms, not until the deadline
-            assert len(daemon.timers.table) == 0
-            assert daemon.stats.expired == 0
-        finally:
-            with trainer:
-                trainer.kill()
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(RELEASED_EARLY, str(daemon.socket_path)) as trainer,
+    ):
+        assert await line(trainer) == f"{SLOTS}\n"
+        assert await line(trainer) == "alive\n"  # every deadline passed meanwhile
+        assert trainer.poll() is None
+        assert daemon.stats.requests["socket.release"] == 0  # no release was sent
+        assert daemon.stats.requests["socket.acquire"] == 5
+        daemon.timers.settle_released(None)
+        (sketch,) = [s for k, s in daemon.timers.scope_stats.sketches.items() if k.scope == "step"]
+        assert sketch.count == 5
+        assert 0.015 <= sketch.quantile(0.5) < 0.15  # held ~20 ms, not until the deadline
+        assert len(daemon.timers.table) == 0
+        assert daemon.stats.expired == 0
 
 
 async def test_a_scope_armed_again_after_a_slot_release_still_expires(short_dir: Path) -> None:
@@ -91,19 +95,20 @@ async def test_a_scope_armed_again_after_a_slot_release_still_expires(short_dir:
         with wd.expires(after=0.3, scope="step", client=c):
             time.sleep(60)  # hung
     """
-    async with running_daemon(short_dir) as daemon:
-        trainer = await start(code, str(daemon.socket_path))
-        with trainer:
-            started = time.monotonic()
-            assert await exit_code(trainer) == -signal.SIGKILL
-            assert time.monotonic() - started < 5
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        started = time.monotonic()
+        assert await exit_code(trainer) == -signal.SIGKILL
+        assert time.monotonic() - started < 5
         assert daemon.stats.expired == 1
 
 
 async def test_the_same_deadline_armed_again_after_its_release_still_expires(
     short_dir: Path,
 ) -> None:
-    # The slot holds that deadline as "released": the second arm must not use it.
+    # The slot says the first arm is released; the second, at the same deadline, is not.
     code = """
         import sys, time
         import watchdogd_client as wd
@@ -114,10 +119,11 @@ async def test_the_same_deadline_armed_again_after_its_release_still_expires(
         c.acquire("step", deadline)
         time.sleep(60)  # hung
     """
-    async with running_daemon(short_dir) as daemon:
-        trainer = await start(code, str(daemon.socket_path))
-        with trainer:
-            assert await exit_code(trainer) == -signal.SIGKILL
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await exit_code(trainer) == -signal.SIGKILL
         assert daemon.stats.expired == 1
 
 
@@ -138,15 +144,13 @@ async def test_a_refused_rearm_leaves_the_timer_before_it_releasable(short_dir: 
         print("alive", flush=True)
         sys.stdin.readline()
     """
-    async with running_daemon(short_dir) as daemon:
-        trainer = await start(code, str(daemon.socket_path))
-        try:
-            assert await line(trainer) == "bad_request\n"
-            assert await line(trainer) == "alive\n"
-            assert daemon.stats.expired == 0
-        finally:
-            with trainer:
-                trainer.kill()
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await line(trainer) == "bad_request\n"
+        assert await line(trainer) == "alive\n"
+        assert daemon.stats.expired == 0
 
 
 async def test_released_timers_waiting_to_be_looked_at_do_not_count_against_the_limit(
@@ -163,8 +167,7 @@ async def test_released_timers_waiting_to_be_looked_at_do_not_count_against_the_
         print("ok", flush=True)
     """
     async with running_daemon(short_dir, limits=Limits(max_timers_per_pid=3)) as daemon:
-        trainer = await start(code, str(daemon.socket_path))
-        with trainer:
+        async with trainer_running(code, str(daemon.socket_path)) as trainer:
             assert await line(trainer) == "ok\n"  # no limit_exceeded at the 4th
             assert await exit_code(trainer) == 0
         assert daemon.stats.refused == 0
@@ -188,9 +191,8 @@ async def test_a_slot_release_after_the_daemon_restarted_reaches_the_new_one(
         print("alive", flush=True)
         sys.stdin.readline()
     """
-    trainer = python(code, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert trainer.stdin is not None
-    try:
+    async with trainer_running(code) as trainer:
+        assert trainer.stdin is not None
         async with running_daemon(short_dir):
             assert await line(trainer) == "armed\n"
         async with running_daemon(short_dir) as daemon:
@@ -200,9 +202,6 @@ async def test_a_slot_release_after_the_daemon_restarted_reaches_the_new_one(
             assert await line(trainer) == "alive\n"
             assert len(daemon.timers.table) == 0
             assert daemon.stats.expired == 0
-    finally:
-        with trainer:
-            trainer.kill()
 
 
 async def test_a_restarted_daemon_does_not_restore_what_slots_released(short_dir: Path) -> None:
@@ -217,17 +216,13 @@ async def test_a_restarted_daemon_does_not_restore_what_slots_released(short_dir
         print("armed", flush=True)
         sys.stdin.readline()
     """
-    trainer = python(code, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
+    async with trainer_running(code) as trainer:
         async with running_daemon(short_dir) as daemon:
             assert await line(trainer) == "armed\n"
             # Both are in the table: the daemon has not looked at "done"'s slot yet.
             assert sorted(t.scope_id for t in daemon.timers.table) == ["done", "held"]
         async with running_daemon(short_dir) as daemon:
             assert [t.scope_id for t in daemon.timers.table] == ["held"]
-    finally:
-        with trainer:
-            trainer.kill()
 
 
 async def test_a_process_that_exits_after_slot_releases_drops_no_timer(short_dir: Path) -> None:
@@ -240,10 +235,11 @@ async def test_a_process_that_exits_after_slot_releases_drops_no_timer(short_dir
                 pass
         c.sync()
     """
-    async with running_daemon(short_dir) as daemon:
-        trainer = await start(code, str(daemon.socket_path))
-        with trainer:
-            assert await exit_code(trainer) == 0
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await exit_code(trainer) == 0
         await wait_for(lambda: trainer.pid not in daemon.timers.processes)
         assert len(daemon.timers.table) == 0
         assert daemon.stats.dropped == 0  # they had ended: released, not dropped
