@@ -133,14 +133,15 @@ async def test_a_refused_rearm_leaves_the_timer_before_it_releasable(short_dir: 
         import math, sys, time
         import watchdogd_client as wd
         c = wd.SocketTimerClient(sys.argv[1])
-        c.acquire("step", time.time() + 0.3)
+        deadline = time.time() + 2
+        c.acquire("step", deadline)
         c.acquire("step", math.inf)  # refused: not a finite deadline
         try:
             c.sync()
         except wd.RequestError as e:
             print(e.code, flush=True)
         c.release("step")
-        time.sleep(0.8)
+        time.sleep(max(0.0, deadline - time.time()) + 0.5)
         print("alive", flush=True)
         sys.stdin.readline()
     """
@@ -182,12 +183,13 @@ async def test_a_slot_release_after_the_daemon_restarted_reaches_the_new_one(
         import sys, time
         import watchdogd_client as wd
         c = wd.SocketTimerClient({str(short_dir / "watchdogd.sock")!r})
-        c.acquire("checkpoint", time.time() + 1.5)
+        deadline = time.time() + 4  # room for a restart on a busy machine
+        c.acquire("checkpoint", deadline)
         c.sync()
         print("armed", flush=True)
         sys.stdin.readline()  # the daemon restarts meanwhile
         c.release("checkpoint")
-        time.sleep(2)  # past the deadline
+        time.sleep(max(0.0, deadline - time.time()) + 0.5)
         print("alive", flush=True)
         sys.stdin.readline()
     """
