@@ -276,11 +276,10 @@ class SocketTimerClient(TimerClient):
             i = 2 * held[3]
             slots[i + 1] = time.time()
             slots[i] = held[4]  # last: the daemon reads this first
-            if self._errors or time.monotonic_ns() >= self._next_check:
-                self._raise_pending()
-            return
-        self._send_frame(_release_frame(scope_id))
-        self._raise_pending()
+        else:
+            self._send_frame(_release_frame(scope_id))
+        if self._errors or time.monotonic_ns() >= self._next_check:
+            self._raise_pending()
 
     # -- beyond torch ----------------------------------------------------------
 

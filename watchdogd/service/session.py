@@ -82,6 +82,8 @@ EXPIRY_CHECK_FRAMES = 16
 # Replies made by walking the timers, the event ring or the sketches: up to
 # milliseconds each (a full ring is ~2 ms), so each ends its connection's turn.
 _SCANS = (p.TimerList, p.EventBatch, p.Timeline, p.ScopeList, p.StragglerList)
+# Queries answered from the timers or their statistics.
+_SETTLED_FIRST = (p.ListTimers, p.GetStatus, p.GetTimeline, p.GetScopes, p.GetStragglers)
 _REQUEST_COUNTER = {kind: f"socket.{kind.__struct_config__.tag}" for kind in p.Request.__args__}
 
 
@@ -258,6 +260,9 @@ class Session:
         timers = ports.timers
         error: ErrorReply | None
         target = peer.pid
+        if isinstance(request, _SETTLED_FIRST):
+            # What a client released through its slots must not show in the answer.
+            timers.settle_released(None if peer.admin else peer.uid)
         match request:
             case p.Acquire(scope_id, expiration_time, signal, pid, learn, slot):
                 target = peer.pid if pid is None else pid
@@ -286,10 +291,8 @@ class Session:
                 return p.Synced(seq)
             case p.ListTimers():
                 # Operators see every timer; others only those on their own processes.
-                timers.settle_released(None if peer.admin else peer.uid)
                 return timers.timer_list(seq, None if peer.admin else peer.uid)
             case p.GetStatus():
-                timers.settle_released(None if peer.admin else peer.uid)
                 return ports.status(seq, peer.admin)
             case p.GetEvents(since_ms=since_ms, limit=limit, follow=follow):
                 if follow:
@@ -303,16 +306,13 @@ class Session:
                 return OffLoop(seq, partial(self._read_trace, seq, dump_id, rank))
             case p.GetTimeline():
                 # As for timers: operators see every one, others those of their processes.
-                timers.settle_released(None if peer.admin else peer.uid)
                 return p.Timeline(seq, timers.timeline_spans(None if peer.admin else peer.uid))
             case p.GetScopes():
                 # As for timers: operators see every scope, others those of their processes.
-                timers.settle_released(None if peer.admin else peer.uid)
                 return timers.scope_list(seq, None if peer.admin else peer.uid)
             case p.GetStragglers(job=job):
                 # As for scopes: operators see every rank, others those of their processes
                 # (and, with ``job``, the other nodes' ranks of those processes' jobs).
-                timers.settle_released(None if peer.admin else peer.uid)
                 return timers.stragglers.listing(seq, None if peer.admin else peer.uid, job)
             case p.DeviceTime(scope_id, seconds):
                 error = timers.device_time(peer.pid, scope_id, seconds)

@@ -248,8 +248,8 @@ class TimerService:
         now = time.monotonic()
         wall = time.time()
         old = self.table.get(pid, scope_id)
-        if old is not None and old.release is not None:
-            self._settle(old, now, wall, handle.uid)  # its release comes to light now
+        if old is not None:
+            self._settle(old, now, handle.uid)  # a slot's release comes to light now
         deadline = now + (expiration_time - wall)
         source: Literal["fifo", "socket"] = requester.via
         if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid, now, release):
@@ -306,8 +306,7 @@ class TimerService:
             return refusal
         self.table.release(pid, scope_id)
         now = time.monotonic()
-        released = self._marked_released(timer, now, time.time())
-        self._released(timer, now if released is None else released, handle.uid)
+        self._released(timer, now, handle.uid)
         self._arm_idle(pid, now, handle.uid)
         self._mark_changed()
         return None
@@ -319,10 +318,9 @@ class TimerService:
         refusal = self._permitted(requester, handle, 0)
         if refusal is not None:
             return refusal
-        now, wall = time.monotonic(), time.time()
+        now = time.monotonic()
         for timer in self.table.release_pid(pid):
-            released = self._marked_released(timer, now, wall)
-            self._released(timer, now if released is None else released, handle.uid)
+            self._released(timer, now, handle.uid)
         self._arm_idle(pid, now, handle.uid)
         self._mark_changed()
         return None
@@ -351,22 +349,16 @@ class TimerService:
             self._wake.set()
 
     @staticmethod
-    def _marked_released(timer: Timer, now: float, wall: float) -> float | None:
-        """When (monotonic) the owner marked ``timer`` released in its slot; None if not.
+    def _slot_released(timer: Timer) -> bool:
+        """Whether the owner marked ``timer`` released in its release slot."""
+        return timer.release is not None and timer.release.released_at() is not None
 
-        However much later the daemon looks, its scope's statistics get the
-        time it was held.
-        """
-        at = None if timer.release is None else timer.release.released_at()
-        return None if at is None else max(timer.armed, now - max(0.0, wall - at))
-
-    def _settle(self, timer: Timer, now: float, wall: float, uid: int) -> bool:
+    def _settle(self, timer: Timer, now: float, uid: int) -> bool:
         """Release ``timer`` if its owner marked it released; whether it had."""
-        released = self._marked_released(timer, now, wall)
-        if released is None:
+        if not self._slot_released(timer):
             return False
         self.table.release(timer.pid, timer.scope_id)
-        self._released(timer, released, uid)
+        self._released(timer, now, uid)
         return True
 
     def settle_released(self, uid: int | None) -> None:
@@ -380,21 +372,23 @@ class TimerService:
         self._settle_pids([pid for pid in pids if pid in self._marked])
 
     def _settle_pids(self, pids: Iterable[int]) -> None:
-        now, wall = time.monotonic(), time.time()
+        now = time.monotonic()
         changed = False
         for pid in pids:
             marked = self._marked[pid]
             owner = self.processes[pid].uid
+            settled = False
             for scope_id, timer in list(marked.items()):
                 if self.table.get(pid, scope_id) is not timer or timer.release is None:
                     del marked[scope_id]  # released, replaced or expired since
-                elif self._settle(timer, now, wall, owner):
+                elif self._settle(timer, now, owner):
                     del marked[scope_id]
-                    changed = True
+                    settled = True
             if not marked:
                 del self._marked[pid]
-            if changed:
+            if settled:
                 self._arm_idle(pid, now, owner)
+                changed = True
         if changed:
             self._mark_changed()
 
@@ -404,20 +398,27 @@ class TimerService:
         handle = self.processes.get(pid)
         if marked is None or handle is None:
             return
-        now, wall = time.monotonic(), time.time()
+        now = time.monotonic()
         for scope_id in scopes:
             timer = marked.get(scope_id)
             if timer is None or timer.release is None or timer.release.slots is not slots:
                 continue  # another connection's (or none)
             del marked[scope_id]
             live = self.table.get(pid, scope_id) is timer
-            if live and not self._settle(timer, now, wall, handle.uid):
+            if live and not self._settle(timer, now, handle.uid):
                 timer.release = None
         if not marked:
             del self._marked[pid]
 
     def _released(self, timer: Timer, now: float, uid: int) -> None:
-        """A timer its owner released: on the timeline, and a sample of its scope's duration."""
+        """A timer its owner released: on the timeline, and a sample of its scope's duration.
+
+        One released through its slot ended when the slot says, however much
+        later the daemon looks.
+        """
+        at = None if timer.release is None else timer.release.released_at()
+        if at is not None:
+            now = max(timer.armed, now - max(0.0, time.time() - at))
         self.timeline.record((timer, now, "released", uid))
         if timer.scope_id == IDLE_SCOPE:
             return  # the daemon's own timer: not a scope of the trainer's
@@ -560,16 +561,15 @@ class TimerService:
                 del self._pids_of[handle.uid]
         self.reaper.forget(handle)
         self._approved.pop(handle.pid, None)
-        now, wall = time.monotonic(), time.time()
+        now = time.monotonic()
         self._marked.pop(handle.pid, None)
         timers = self.table.release_pid(handle.pid)
         dropped = []
         for timer in timers:
-            released = self._marked_released(timer, now, wall)
-            if released is None:
+            if self._slot_released(timer):  # it had ended before its process did
+                self._released(timer, now, handle.uid)
+            else:
                 dropped.append(timer)
-            else:  # it had ended before its process did
-                self._released(timer, released, handle.uid)
         if self.supervision.worker(handle.pid) is None:
             self.scope_stats.forget("", handle.pid)  # its "rank" was its pid
             self.learned.forget_pid(handle.pid)
@@ -656,12 +656,10 @@ class TimerService:
             for timer in popped:
                 handle = processes.get(timer.pid)
                 uid = -1 if handle is None else handle.uid
-                if timer.release is not None:
-                    released = self._marked_released(timer, now, time.time())
-                    if released is not None:  # not due after all: it had ended
-                        self._released(timer, released, uid)
-                        self._arm_idle(timer.pid, now, uid)
-                        continue
+                if self._slot_released(timer):  # not due after all: it had ended
+                    self._released(timer, now, uid)
+                    self._arm_idle(timer.pid, now, uid)
+                    continue
                 self.timeline.record((timer, now, "expired", uid))
                 expired.append(timer)
             done += self.reaper.expire(expired)
@@ -703,9 +701,7 @@ class TimerService:
                     t.uid,
                 )
                 for t in entries[start : start + size]
-                if t.live
-                and t.pid in processes
-                and (t.release is None or t.release.released_at() is None)
+                if t.live and t.pid in processes and not self._slot_released(t)
             ]
 
     def restore_timer(self, saved: SnapshotTimer, now: float, wall: float) -> bool:
