@@ -1,25 +1,31 @@
 """The socket client: pipelined timer requests and blocking queries.
 
-``acquire`` writes one frame and returns: the daemon answers it only when it
-fails, and a failure is raised by the first call made a millisecond or more
-after it arrived (after that call's own request was sent, so a release is
-never held back by an older error). :meth:`SocketTimerClient.sync` waits
+A request (an ``acquire`` that goes as a frame, say) is sent and not waited
+for: the daemon answers it only when it fails, and a failure is raised by
+the first call made a millisecond or more after it arrived (after that
+call's own request was sent, so a release is never held back by an older
+error). :meth:`SocketTimerClient.sync` waits
 until the daemon has processed everything sent so far.
 
-``release`` sends nothing when it can help it. The daemon hands each
-connection a page of release slots (shared memory, see
-:data:`~watchdogd_client.protocol.RELEASE_SLOT_FLOATS`); the first 255
-scopes a connection arms get one each. Both sides count the acquires sent
-with a slot; releasing such a timer writes the time and that count into its
-slot, two stores and no system call, and the daemon takes every arm up to
-the count as released when it looks (when the deadline comes, the scope is
-armed again, the process exits, or a query needs it). Other timers (learned
-ones, another process's, scopes beyond the slots, a daemon that offers none)
-are released with a frame, as is every timer once the daemon has marked the
-page closed (it is going away: the frame finds that out and reconnects).
-After a reconnect the client sends a release for every scope it released
-through the old page, so a daemon that restored it from a snapshot lets go
-of it too.
+``acquire`` and ``release`` usually send nothing at all. The daemon hands
+each connection a page of release slots (shared memory, laid out in
+:mod:`~watchdogd_client.slot_layout`); the first 255 scopes a connection
+arms get one each. A scope's first arm goes as a frame (so does any arm
+less than :data:`~watchdogd_client.slot_layout.STORE_ARM_LEAD` ahead);
+once the daemon has written that it accepted it, later arms are three
+stores into the slot, which the daemon reads at least every
+:data:`~watchdogd_client.slot_layout.SLOT_SWEEP` seconds and whenever a
+deadline comes. A release writes the arm count into the slot; how long the
+timer was held goes into the page's held ring (the scope's statistics come
+from there) at the next look for replies, before a query, at close and at
+exit. Other timers (learned ones, another process's, scopes beyond
+the slots, a daemon that offers none) go as frames, as does every timer
+once the daemon has marked the page closed (it is going away: the frame
+finds that out and reconnects). A daemon that crashed cannot mark its page:
+the look for answers sees the socket closed and reconnects at once. After a
+reconnect the client sends a release for every scope it released through
+the old page, so a daemon that restored it from a snapshot lets go of it
+too.
 
 The client remembers the scopes it holds. When the daemon goes away (it was
 restarted, or upgraded), the next call reconnects and re-arms them before
@@ -37,6 +43,7 @@ for clients that write no marker.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import math
@@ -56,6 +63,7 @@ import msgspec
 
 from . import _faults
 from . import protocol as p
+from . import slot_layout as layout
 from ._errors import DaemonUnavailableError, ProtocolError, RequestError
 from ._paths import default_socket_path
 from ._timer_client import TimerClient
@@ -69,8 +77,8 @@ _R = TypeVar("_R", bound=p.Reply)
 _encoder = msgspec.msgpack.Encoder()
 _encode = _encoder.encode
 _reply_decoder = msgspec.msgpack.Decoder(p.Reply)
-# How often acquire/release look for error replies (see _raise_pending).
-_PENDING_CHECK_NS = 1_000_000
+# How often acquire/release look for error replies (see _raise_pending), in seconds.
+_PENDING_CHECK = 0.001
 # The frames of acquire and release for the scopes in use, so that the hot
 # path encodes nothing but the deadline (a third of the cost of encoding the
 # Struct and framing it). Still msgspec's bytes, never msgpack written by
@@ -82,7 +90,17 @@ _release_frames: dict[str, bytes] = {}
 # A positive float: msgspec writes it as 0xcb then a byte below 0x80, and no
 # UTF-8 text has 0xcb before such a byte, so no scope name can contain it.
 _PLACEHOLDER = 1.5
-_SLOT_BYTES = 8 * p.RELEASE_SLOT_FLOATS
+_SLOT_FLOATS = layout.RELEASE_SLOT_FLOATS
+_RELEASED, _ARMED, _DEADLINE, _ACCEPTED = (
+    layout.SLOT_RELEASED,
+    layout.SLOT_ARMED,
+    layout.SLOT_DEADLINE,
+    layout.SLOT_ACCEPTED,
+)
+_CLOSED, _HELD = layout.PAGE_CLOSED, layout.PAGE_HELD
+_LEAD = layout.STORE_ARM_LEAD
+_INF = math.inf
+_IN_FLIGHT = math.nan
 _live_clients: weakref.WeakSet[SocketTimerClient] = weakref.WeakSet()
 # stack signal -> the faulthandler file its dump marker goes to (the last one registered).
 _marker_fds: dict[int, int] = {}
@@ -132,13 +150,18 @@ class _AcquireFrame:
     the placeholder's and only the deadline's bytes differ.
     """
 
-    __slots__ = ("parts", "scope_id", "signal", "slot")
+    __slots__ = ("base", "first", "parts", "scope_id", "signal", "slot")
 
     def __init__(self, scope_id: str, signal: int, slot: int) -> None:
         self.scope_id = scope_id
         self.signal = signal
         self.slot = slot
+        self.base = slot * _SLOT_FLOATS
+        """Where the slot starts in the page's floats."""
         self.parts = _acquire_parts(scope_id, signal, slot)
+        self.first = 0.0
+        """The slot's count of the first arm sent with this frame (0: none yet): store
+        arms wait until the daemon accepted it."""
 
     def __call__(self, expiration_time: float) -> bytes:
         """``frame(encode(Acquire(...)))`` for this deadline."""
@@ -189,17 +212,24 @@ class SocketTimerClient(TimerClient):
         self._splitter = FrameSplitter(p.MAX_FRAME_SIZE)
         self._frames: deque[bytes] = deque()  # received, not yet decoded
         self._errors: list[RequestError] = []
-        self._next_check = 0
-        """When ``_raise_pending`` next polls for replies (``time.monotonic_ns()``)."""
-        self._held: dict[str, tuple[float, int, bool, int, float]] = {}
-        """Scope -> (expiration time, signal, learned, release slot, its arm count):
-        what a reconnect re-arms, and how to release it."""
+        self._next_check = 0.0
+        """When ``_raise_pending`` next polls for replies (``time.monotonic()``)."""
+        self._wall_offset = time.time() - time.monotonic()
+        """Wall clock minus monotonic, as of the last poll: one clock read an arm."""
+        self._held: dict[str, tuple[float, int, bool, int, float, float]] = {}
+        """Scope -> (expiration time, signal, learned, release slot, its arm count,
+        armed at): what a reconnect re-arms, and how to release it."""
         self._slots: memoryview[float] | None = None
         """The float64s of the connection's release slots (None: it has none)."""
+        self._slot_count = 0
         self._slot_of: dict[str, int] = {}
         """Scope -> its release slot on this connection."""
-        self._arms: list[float] = []
-        """Per slot: the acquires sent with it on this connection (the daemon counts too)."""
+        self._held_ring = 0
+        """Where the held ring starts in ``_slots``."""
+        self._held_count = 0
+        """Held-ring entries written."""
+        self._unwritten: list[tuple[int, float, float]] = []
+        """(slot, armed at, released at) of slot releases not yet in the held ring."""
         self._acquire_frames: dict[str, _AcquireFrame] = {}
         """Scope -> its acquire frame on this connection (with its slot and signal)."""
         self.welcome: p.Welcome | None = None
@@ -212,28 +242,58 @@ class SocketTimerClient(TimerClient):
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
         """Arm ``scope_id`` for this process, expiring at ``expiration_time`` (wall clock)."""
+        make = self._acquire_frames.get(scope_id)
+        slots = self._slots  # mapped only while connected
+        if slots is not None and make is not None and make.first and make.signal == self.signal:
+            i = make.base
+            now = time.monotonic()
+            wall = now + self._wall_offset
+            if (
+                slots[i + _ACCEPTED] >= make.first
+                and not slots[_CLOSED]
+                and wall + _LEAD <= expiration_time < _INF
+            ):
+                # A store arm: the daemon reads the slot before this deadline comes.
+                arm = slots[i + _ARMED] + 1.0
+                self._held[scope_id] = (expiration_time, self.signal, False, make.slot, arm, wall)
+                slots[i + _DEADLINE] = expiration_time
+                slots[i + _ARMED] = arm  # last: the daemon reads this first
+                if self._errors or now >= self._next_check:
+                    self._raise_pending()
+                return
+        self._acquire_with_frame(scope_id, float(expiration_time))
+
+    def _acquire_with_frame(self, scope_id: str, expiration_time: float) -> None:
         if expiration_time < 0:
             self.release(scope_id)
             return
         sock = self._sock or self._connect()  # the slots are the connection's
-        expiration_time = float(expiration_time)
         make = self._acquire_frames.get(scope_id)
         if make is None or make.signal != self.signal:
             make = self._acquire_frame_of(scope_id)
         slot = make.slot
-        arm = 0.0
-        if slot > 0:
-            arms = self._arms
-            arms[slot] = arm = arms[slot] + 1.0
+        now = time.monotonic()
         held = self._held
         previous = held.get(scope_id)
-        held[scope_id] = (expiration_time, self.signal, False, slot, arm)
-        parts = make.parts  # its join inline: a call is a tenth of an acquire
-        data = (
-            make(expiration_time)
-            if parts is None
-            else parts[0] + _encode(expiration_time) + parts[1]
-        )
+        slots = self._slots
+        if slot > 0 and slots is not None:
+            i = make.base
+            arm = slots[i + _ARMED] + 1.0
+            held[scope_id] = (
+                expiration_time,
+                self.signal,
+                False,
+                slot,
+                arm,
+                now + self._wall_offset,
+            )
+            slots[i + _DEADLINE] = _IN_FLIGHT  # this arm's deadline is in its frame
+            slots[i + _ARMED] = arm
+            if not make.first:
+                make.first = arm
+        else:
+            held[scope_id] = (expiration_time, self.signal, False, slot, 0.0, 0.0)
+        data = make(expiration_time)
         try:
             # The usual case inline (the kernel has room); else _send_frame, which waits
             # or reconnects, re-arming this acquire from ``_held``.
@@ -252,7 +312,7 @@ class SocketTimerClient(TimerClient):
             else:
                 held[scope_id] = previous
             raise
-        if self._errors or time.monotonic_ns() >= self._next_check:
+        if self._errors or now >= self._next_check:
             self._raise_pending()
 
     def acquire_learned(self, scope_id: str, initial: float | None) -> None:
@@ -263,7 +323,7 @@ class SocketTimerClient(TimerClient):
         """
         expiration_time = math.inf if initial is None else time.time() + initial
         self._send(p.Acquire(scope_id, expiration_time, self.signal, learn=True))
-        self._held[scope_id] = (expiration_time, self.signal, True, -1, 0.0)
+        self._held[scope_id] = (expiration_time, self.signal, True, -1, 0.0, 0.0)
         self._raise_pending()
 
     def release(self, scope_id: str) -> None:
@@ -272,13 +332,16 @@ class SocketTimerClient(TimerClient):
             _faults.hang_if_injected()
         held = self._held.pop(scope_id, None)
         slots = self._slots
-        if held is not None and held[3] > 0 and slots is not None and not slots[0]:
-            i = 2 * held[3]
-            slots[i + 1] = time.time()
-            slots[i] = held[4]  # last: the daemon reads this first
+        now = time.monotonic()
+        if held is not None and slots is not None and held[3] > 0 and not slots[_CLOSED]:
+            slot = held[3]
+            slots[slot * _SLOT_FLOATS + _RELEASED] = held[4]
+            # How long it was held, for the scope's statistics: into the held ring
+            # at the next look for replies (a list append costs a third of the stores).
+            self._unwritten.append((slot, held[5], now + self._wall_offset))
         else:
             self._send_frame(_release_frame(scope_id))
-        if self._errors or time.monotonic_ns() >= self._next_check:
+        if self._errors or now >= self._next_check:
             self._raise_pending()
 
     # -- beyond torch ----------------------------------------------------------
@@ -376,6 +439,8 @@ class SocketTimerClient(TimerClient):
 
     def request(self, message: p.Request, expect: type[_R]) -> _R:
         """Send ``message`` and wait for its reply, which must be an ``expect``."""
+        if self._unwritten:
+            self._write_held()  # a query's answer counts every release before it
         seq = self._send(message)
         sock = self._connected()
         while True:
@@ -392,6 +457,8 @@ class SocketTimerClient(TimerClient):
         return reply
 
     def close(self) -> None:
+        if self._unwritten:
+            self._write_held()
         if self._sock is not None:
             self._poller.unregister(self._sock)
             self._sock.close()
@@ -460,15 +527,23 @@ class SocketTimerClient(TimerClient):
 
     def _raise_pending(self) -> None:
         # A poll() costs more than the rest of an acquire; a clock read is a
-        # tenth of one. Looking at most every _PENDING_CHECK_NS bounds how late
+        # tenth of one. Looking at most every _PENDING_CHECK bounds how late
         # an answer is seen: the first call that long after it arrived raises it.
         # (acquire and release test the same before they call, to save the call.)
-        now = time.monotonic_ns()
+        now = time.monotonic()
         if now >= self._next_check:
-            self._next_check = now + _PENDING_CHECK_NS
+            self._next_check = now + _PENDING_CHECK
+            self._wall_offset = time.time() - now
+            if self._unwritten:
+                self._write_held()
             sock = self._sock
             if sock is not None and self._poller.poll(0):
-                self._read_available(sock)
+                try:
+                    self._read_available(sock)
+                except DaemonUnavailableError:
+                    # It went away (a restart, an upgrade, a crash that left the page
+                    # open): store arms would go unread. Re-arm what we hold now.
+                    self._connect()
         if self._errors:
             raise self._errors.pop(0)
 
@@ -510,9 +585,10 @@ class SocketTimerClient(TimerClient):
             self._register_faulthandler(stack_signal, fds.pop(0), marker)
         released_by_slot = [scope for scope in self._slot_of if scope not in self._held]
         self._slot_of.clear()  # the old page's
+        self._unwritten.clear()  # its releases: the daemon that read it is gone
         self._acquire_frames.clear()  # their slots with it
-        if welcome.release_slots and fds:
-            self._map_slots(fds.pop(0), welcome.release_slots)
+        if welcome.slot_page and fds:
+            self._map_slots(fds.pop(0), welcome.slot_page)
         for fd in fds:
             os.close(fd)
         # The daemon before may have died before it read those slots; the one
@@ -520,12 +596,14 @@ class SocketTimerClient(TimerClient):
         for scope_id in released_by_slot:
             self._sendall(sock, _release_frame(scope_id))
             self._next_seq += 1
-        for scope_id, (expiration_time, signal, learn, _, _) in self._held.items():
+        for scope_id, (expiration_time, signal, learn, _, _, armed) in self._held.items():
             slot = -1 if learn else self._assign_slot(scope_id)
             arm = 0.0
-            if slot > 0:
-                self._arms[slot] = arm = 1.0
-            self._held[scope_id] = (expiration_time, signal, learn, slot, arm)
+            if slot > 0 and self._slots is not None:
+                i = slot * _SLOT_FLOATS
+                self._slots[i + _DEADLINE] = _IN_FLIGHT
+                self._slots[i + _ARMED] = arm = 1.0
+            self._held[scope_id] = (expiration_time, signal, learn, slot, arm, armed)
             # A learned one is resolved again, by the daemon now serving.
             rearm = p.Acquire(scope_id, expiration_time, signal, learn=learn, release_slot=slot)
             self._sendall(sock, frame(_encoder.encode(rearm)))
@@ -534,15 +612,36 @@ class SocketTimerClient(TimerClient):
 
     def _map_slots(self, fd: int, count: int) -> None:
         """Map the release slots the daemon handed over (``fd`` is closed either way)."""
+        ring = count * _SLOT_FLOATS
+        size = 8 * (ring + 3 * layout.HELD_RING)
         try:
-            count = min(count, os.fstat(fd).st_size // _SLOT_BYTES)
-            mapping = mmap.mmap(fd, count * _SLOT_BYTES)
+            if os.fstat(fd).st_size < size:
+                return  # not the layout this client knows: arms and releases go as frames
+            mapping = mmap.mmap(fd, size)
         except (OSError, ValueError):
-            return  # releases go as frames
+            return
         finally:
             os.close(fd)
         self._slots = memoryview(mapping).cast("d")
-        self._arms = [0.0] * count
+        self._slot_count = count
+        self._held_ring, self._held_count = ring, 0
+
+    def _write_held(self) -> None:
+        """Append the releases not yet written to the page's held ring (see ``slot_layout``)."""
+        unwritten, slots = self._unwritten, self._slots
+        if slots is not None and not slots[_CLOSED]:
+            count, ring = self._held_count, self._held_ring
+            # Only the newest ring's worth can be there to read: the daemon counts the
+            # rest as lost, from the count.
+            skipped = max(0, len(unwritten) - layout.HELD_RING)
+            for n, (slot, armed, released) in enumerate(unwritten[skipped:], count + skipped):
+                at = ring + 3 * (n % layout.HELD_RING)
+                slots[at] = slot
+                slots[at + 1] = armed
+                slots[at + 2] = released
+            self._held_count = count = count + len(unwritten)
+            slots[_HELD] = count  # last: the daemon reads this first
+        unwritten.clear()
 
     def _acquire_frame_of(self, scope_id: str) -> _AcquireFrame:
         """Make (and keep, bounded) ``scope_id``'s acquire frame on this connection."""
@@ -560,7 +659,7 @@ class SocketTimerClient(TimerClient):
         if self._slots is None:
             return -1
         slot = len(self._slot_of) + 1
-        if slot >= len(self._arms):
+        if slot >= self._slot_count:
             return -1  # not kept: a program naming a scope per step must not grow it
         self._slot_of[scope_id] = slot
         return slot
@@ -667,9 +766,18 @@ def _forget_connections_after_fork() -> None:
             client._poller = select.poll()
         client._slots = None  # the parent's: a child writing there would release its timers
         client._slot_of.clear()
-        client._arms = []
+        client._slot_count = 0
         client._held.clear()
+        client._unwritten.clear()
         client._errors.clear()
 
 
 os.register_at_fork(after_in_child=_forget_connections_after_fork)
+
+
+@atexit.register
+def _write_held_at_exit() -> None:
+    # The daemon reads a page after its process exited: its last releases count too.
+    for client in list(_live_clients):
+        if client._unwritten:
+            client._write_held()

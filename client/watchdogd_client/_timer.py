@@ -66,6 +66,18 @@ def _client_from_environment() -> TimerClient:
     )
 
 
+# (file, line) -> its scope name: one string per line, hashed once, not one per block.
+_line_scopes: dict[tuple[str, int], str] = {}
+_LINE_SCOPES_MAX = 4096
+
+
+def _line_scope(line: tuple[str, int]) -> str:
+    if len(_line_scopes) >= _LINE_SCOPES_MAX:
+        _line_scopes.clear()  # a program that generates code: refill, never grow
+    scope = _line_scopes[line] = f"{line[0]}:{line[1]}"
+    return scope
+
+
 class expires(contextlib.ContextDecorator):  # noqa: N801 - torch's name
     """Arm a timer for the enclosed block (or decorated function).
 
@@ -83,8 +95,14 @@ class expires(contextlib.ContextDecorator):  # noqa: N801 - torch's name
     ) -> None:
         if scope is None:
             caller = sys._getframe(1)
-            scope = f"{caller.f_code.co_filename}:{caller.f_lineno}"
-        self._after = after
+            line = (caller.f_code.co_filename, caller.f_lineno)
+            scope = _line_scopes.get(line) or _line_scope(line)
+        # Told apart once here, not at every enter.
+        self._learn: Learn | None
+        if isinstance(after, Learn):
+            self._after, self._learn = 0.0, after
+        else:
+            self._after, self._learn = after, None
         self._scope = scope
         self._client = client
         if device_time:  # the GPU's time of the block scores it (see _device_time)
@@ -99,15 +117,15 @@ class expires(contextlib.ContextDecorator):  # noqa: N801 - torch's name
     def __enter__(self) -> None:
         if _faults.active is not None:
             self._entered = time.monotonic()
-        client = self._client or get_client()
-        after = self._after
+        client = self._client or _configured or get_client()
+        learn = self._learn
         try:
-            if not isinstance(after, Learn):
-                client.acquire(self._scope, time.time() + after)
+            if learn is None:
+                client.acquire(self._scope, time.time() + self._after)
             elif isinstance(client, TimerClient):
-                client.acquire_learned(self._scope, after.initial)
+                client.acquire_learned(self._scope, learn.initial)
             else:  # torch's own client
-                acquire_learned(client, self._scope, after.initial)
+                acquire_learned(client, self._scope, learn.initial)
         except RequestError:
             # The error belongs to an earlier request; this acquire was
             # delivered, and nobody will release it unless we do.
@@ -123,4 +141,4 @@ class expires(contextlib.ContextDecorator):  # noqa: N801 - torch's name
     ) -> None:
         if _faults.active is not None:  # an injected slowdown (watchdogd run --inject)
             _faults.slow_down(self.__dict__.pop("_entered", None))
-        (self._client or get_client()).release(self._scope)
+        (self._client or _configured or get_client()).release(self._scope)

@@ -41,7 +41,6 @@ __all__ = [
     "FRAME_HEADER_SIZE",
     "MAX_FRAME_SIZE",
     "PROTOCOL_VERSION",
-    "RELEASE_SLOT_FLOATS",
     "Acquire",
     "DeviceTime",
     "DumpInfo",
@@ -95,22 +94,6 @@ MAX_FRAME_SIZE: Final = 64 * 1024 * 1024
 # What a client's handler appends to its faulthandler file once faulthandler's
 # dump is written (``Hello.dump_marker``). faulthandler escapes every control
 # character it prints, so NUL bytes never occur in a dump.
-RELEASE_SLOT_FLOATS: Final = 2
-"""A release slot is two float64s in the host's order: (released arms, released at).
-
-A release without a request. Client and daemon both count, per slot and
-connection, the acquires sent with ``release_slot=i``: the n-th such arm is
-arm n of slot i. To release it, the client writes the wall-clock time into
-the second field of slot ``i``, then n into the first; the daemon takes
-every arm of slot i up to the first field as released when it looks (when
-the deadline comes, the scope is armed again, the process exits, or a query
-needs it). Slot 0 is the page's header: its first field turns non-zero once
-the daemon reads the page no more (the connection is closing), and a client
-then releases with frames. The daemon makes the memfd (sealed against
-shrinking, so reading it can never fault) and owns it; the client only
-writes slots of its own timers.
-"""
-
 DUMP_MARKER: Final = b"\x00watchdogd: end of dump\x00\n"
 
 ErrorCode = Literal[
@@ -196,9 +179,9 @@ class Acquire(msgspec.Struct, tag="acquire", tag_field="op"):
     pid: int | None = None
     learn: bool = False
     release_slot: int = -1
-    """Index (1 or more) of the release slot (see :class:`Welcome`) that will
-    mark this timer released; -1: only a :class:`Release` releases it. Own
-    timers only."""
+    """Index (1 or more) of the release slot (see :mod:`~watchdogd_client.slot_layout`)
+    where the client re-arms and releases this scope from now on; -1: only
+    requests do. Own timers, and deadlines the call gives, only."""
 
 
 class Release(msgspec.Struct, tag="release", tag_field="op"):
@@ -350,9 +333,11 @@ class Welcome(msgspec.Struct, tag="welcome", tag_field="op"):
     peer_uid: int
     stack_dumps: bool = False
     """A faulthandler file descriptor came with this reply."""
-    release_slots: int = 0
+    slot_page: int = 0
     """A memfd of this many release slots came with this reply (after the
-    faulthandler file): see :data:`RELEASE_SLOT_FLOATS`."""
+    faulthandler file): see :mod:`watchdogd_client.slot_layout`. (Protocol 1's
+    ``release_slots``, slots of two floats, is no longer offered: a client
+    that knows only those releases with frames.)"""
 
 
 class Synced(msgspec.Struct, tag="synced", tag_field="op"):
@@ -408,6 +393,8 @@ class StatusInfo(msgspec.Struct, tag="status_info", tag_field="op", kw_only=True
     signalled: int
     refused: int
     bad_input: int
+    held_lost: int = 0
+    """Releases through slots whose time held was lost (the held ring overran)."""
     connections_refused: dict[str, int] = {}
     """Socket connections refused at accept, by the limit they met."""
     suppressed: dict[str, int] = {}

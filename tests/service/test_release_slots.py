@@ -1,8 +1,10 @@
-"""Releases without a request: the socket client marks a timer released in shared memory.
+"""Arms and releases without a request: the socket client writes them in shared memory.
 
 Real trainers in child processes against an in-process daemon: what the
 daemon does when a slot-released timer's deadline comes, when its scope is
-armed again, when the daemon restarts and when the process exits.
+armed again (by a request or by a store arm, to a later or an earlier
+deadline), when the connection closes, when the daemon restarts and when
+the process exits.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ RELEASED_EARLY = """
     for _ in range(5):
         with wd.expires(after=0.3, scope="step", client=c):
             time.sleep(0.02)
-    print(c.welcome.release_slots, flush=True)
+    c.sync()
+    print(c.welcome.slot_page, flush=True)
     time.sleep(0.6)
     print("alive", flush=True)
     sys.stdin.readline()
@@ -76,12 +79,188 @@ async def test_a_timer_released_by_its_slot_is_not_killed_and_its_time_is_record
         assert trainer.poll() is None
         assert daemon.stats.requests["socket.release"] == 0  # no release was sent
         assert daemon.stats.requests["socket.acquire"] == 5
-        daemon.timers.settle_released(None)
+        daemon.timers.follow_slots(None)
         (sketch,) = [s for k, s in daemon.timers.scope_stats.sketches.items() if k.scope == "step"]
         assert sketch.count == 5
         assert 0.015 <= sketch.quantile(0.5) < 0.15  # held ~20 ms, not until the deadline
         assert len(daemon.timers.table) == 0
         assert daemon.stats.expired == 0
+
+
+async def test_store_arms_send_nothing_and_a_hang_among_them_is_killed(short_dir: Path) -> None:
+    code = """
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        for _ in range(200):
+            with wd.expires(after=1.5, scope="step", client=c):
+                time.sleep(0.005)
+        c.sync()
+        print("steps done", flush=True)
+        with wd.expires(after=1.5, scope="step", client=c):
+            time.sleep(60)  # hung
+    """
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await line(trainer) == "steps done\n"
+        started = time.monotonic()
+        assert daemon.stats.requests["socket.acquire"] < 5  # the first, not 200
+        daemon.timers.follow_slots(None)  # a query's look: the held ring read
+        (sketch,) = [s for k, s in daemon.timers.scope_stats.sketches.items() if k.scope == "step"]
+        assert sketch.count == 200  # every block's held time, from the held ring
+        assert 0.004 <= sketch.quantile(0.5) < 0.1
+        assert await exit_code(trainer) == -signal.SIGKILL
+        assert 1.0 <= time.monotonic() - started < 6
+        assert daemon.stats.expired == 1
+
+
+async def test_the_last_releases_before_an_exit_are_in_the_statistics(short_dir: Path) -> None:
+    # Microseconds apart: the client writes them into the held ring at exit, not at a look.
+    code = """
+        import sys
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        for _ in range(50):
+            with wd.expires(after=30, scope="step", client=c):
+                pass
+        assert c._unwritten  # still to be written: the exit writes them
+    """
+
+    def released_steps() -> int:
+        return sum(
+            timer.scope_id == "step" and outcome == "released"
+            for timer, _, outcome, _ in daemon.timers.timeline.ended
+        )
+
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await exit_code(trainer) == 0
+        await wait_for(lambda: not daemon.timers.processes)  # its exit, handled
+        assert released_steps() == 50
+        assert daemon.stats.held_lost == 0
+
+
+async def test_releases_beyond_the_held_ring_are_counted_lost_not_misread(
+    short_dir: Path,
+) -> None:
+    code = """
+        import sys
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        for _ in range(5000):  # milliseconds: far more than a sweep's ring of releases
+            with wd.expires(after=30, scope="step", client=c):
+                pass
+        c.sync()
+        print("done", flush=True)
+        sys.stdin.readline()
+    """
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await line(trainer) == "done\n"
+        daemon.timers.follow_slots(None)
+        (sketch,) = [s for k, s in daemon.timers.scope_stats.sketches.items() if k.scope == "step"]
+        assert daemon.stats.held_lost > 0
+        assert sketch.count + daemon.stats.held_lost == 5000
+        assert sketch.quantile(0.99) < 0.01  # no entry read torn (or as another's)
+        client = wd.SocketTimerClient(daemon.socket_path)
+        status = await anyio.to_thread.run_sync(client.status)
+        client.close()
+        assert status.held_lost == daemon.stats.held_lost
+
+
+async def test_a_store_arm_to_an_earlier_deadline_is_killed_at_it(short_dir: Path) -> None:
+    code = """
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        c.acquire("step", time.time() + 60)
+        c.sync()
+        c.acquire("step", time.time() + 1.5)  # ahead enough: written, not sent
+        time.sleep(60)  # hung
+    """
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        started = time.monotonic()
+        assert await exit_code(trainer) == -signal.SIGKILL
+        assert time.monotonic() - started < 8  # not the 60 s one
+        assert daemon.stats.requests["socket.acquire"] == 1
+
+
+async def test_a_store_arm_to_a_later_deadline_outlives_the_one_before(short_dir: Path) -> None:
+    code = """
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        first = time.time() + 1
+        c.acquire("step", first)
+        c.sync()
+        # Just before it: most likely only the look at the deadline itself sees the next.
+        time.sleep(max(0.0, first - time.time() - 0.05))
+        c.acquire("step", time.time() + 2)
+        time.sleep(1.5)
+        print("alive", flush=True)
+        time.sleep(60)  # hung
+    """
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await line(trainer) == "alive\n"  # past the first deadline
+        assert await exit_code(trainer) == -signal.SIGKILL
+        assert daemon.stats.requests["socket.acquire"] == 1
+        assert daemon.stats.expired == 1
+
+
+async def test_a_store_arm_outlives_its_connection(short_dir: Path) -> None:
+    # The page is read no more: the daemon adopts what it says and keeps a plain timer.
+    code = """
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        c.acquire("step", time.time() + 60)
+        c.sync()
+        c.acquire("step", time.time() + 1.5)
+        c.close()
+        time.sleep(60)  # hung
+    """
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        started = time.monotonic()
+        assert await exit_code(trainer) == -signal.SIGKILL
+        assert time.monotonic() - started < 8
+        assert daemon.stats.requests["socket.acquire"] == 1
+
+
+async def test_a_restarted_daemon_restores_a_store_arm(short_dir: Path) -> None:
+    code = f"""
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient({str(short_dir / "watchdogd.sock")!r})
+        c.acquire("step", time.time() + 60)
+        c.sync()
+        c.acquire("step", time.time() + 4)  # room for a restart on a busy machine
+        print("armed", flush=True)
+        time.sleep(60)  # hung
+    """
+    async with trainer_running(code) as trainer:
+        async with running_daemon(short_dir):
+            assert await line(trainer) == "armed\n"
+        started = time.monotonic()
+        async with running_daemon(short_dir) as daemon:
+            (timer,) = daemon.timers.table
+            assert timer.deadline - time.monotonic() < 5  # the store arm's, from the snapshot
+            assert await exit_code(trainer) == -signal.SIGKILL
+            assert time.monotonic() - started < 10
 
 
 async def test_a_scope_armed_again_after_a_slot_release_still_expires(short_dir: Path) -> None:
@@ -221,8 +400,6 @@ async def test_a_restarted_daemon_does_not_restore_what_slots_released(short_dir
     async with trainer_running(code) as trainer:
         async with running_daemon(short_dir) as daemon:
             assert await line(trainer) == "armed\n"
-            # Both are in the table: the daemon has not looked at "done"'s slot yet.
-            assert sorted(t.scope_id for t in daemon.timers.table) == ["done", "held"]
         async with running_daemon(short_dir) as daemon:
             assert [t.scope_id for t in daemon.timers.table] == ["held"]
 
@@ -289,7 +466,7 @@ async def test_a_worker_with_an_idle_timeout_gets_no_slots(short_dir: Path) -> N
         import watchdogd_client as wd
         client = wd.get_client()
         client.sync()
-        open({str(out)!r}, "w").write(str(client.welcome.release_slots))
+        open({str(out)!r}, "w").write(str(client.welcome.slot_page))
     """
     spec = GroupSpec(
         name="train",

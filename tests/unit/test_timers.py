@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import heapq
 import math
 
@@ -111,20 +112,39 @@ def test_equal_keys_from_both_transports_never_break_heap_order() -> None:
     assert [t.source for t in table.pop_expired(2.0)] == ["fifo"]
 
 
-def test_a_release_mark_counts_every_arm_up_to_the_one_released() -> None:
-    slots = [0.0] * 4
-    mark = ReleaseMark(slots, 1, 2.0)  # the second arm of slot 1
-    assert mark.released_at() is None
-    slots[2:4] = [1.0, 100.0]  # the first arm's release
-    assert mark.released_at() is None
-    slots[2:4] = [3.0, 200.0]  # a later arm's: its re-arm was refused, or unread
-    assert mark.released_at() == 200.0
-    slots[2] = math.nan  # garbage the owner wrote: never a release
-    assert mark.released_at() is None
+def _page(floats: int) -> memoryview[float]:
+    return memoryview(array.array("d", [0.0] * floats)).cast("B").cast("d")
+
+
+def test_a_release_mark_reads_the_latest_arm_until_it_is_released() -> None:
+    slots = _page(8)
+    mark = ReleaseMark(slots, 1, 2.0)  # the second arm of slot 1 (floats 4..7)
+    slots[4:7] = array.array("d", [1.0, 2.0, 100.0])  # the first arm released, the second held
+    assert mark.latest() == (2.0, 100.0)
+    slots[5:7] = array.array("d", [3.0, 200.0])  # a store arm since
+    assert mark.latest() == (3.0, 200.0)
+    assert mark.armed() == 3.0
+    slots[4] = 3.0  # released too: every arm up to it is
+    assert mark.latest() is None
+    slots[4] = math.nan  # garbage the owner wrote: never a release
+    assert mark.latest() == (3.0, 200.0)
+    mark.accept(3.0)
+    assert slots[4 + 3] == 3.0
+
+
+def test_a_release_mark_follows_store_arms_only() -> None:
+    mark = ReleaseMark(_page(8), 1, 2.0)  # armed by a request: no deadline read yet
+    assert not mark.newer(3.0, math.nan)  # a later arm whose request is on its way
+    assert not mark.newer(1.0, 50.0)  # an older one
+    assert mark.newer(3.0, 50.0)
+    mark.arm, mark.written = 3.0, 50.0
+    assert not mark.newer(3.0, 50.0)
+    # The count was seen before its deadline (stores visible out of order): read again.
+    assert mark.newer(3.0, 60.0)
 
 
 def test_timers_that_tie_up_to_their_marks_still_order() -> None:
-    marked = Timer(1.0, 7, "step", 9, "socket", 0, 0.5, ReleaseMark([0.0, 0.0], 0, 1.0))
+    marked = Timer(1.0, 7, "step", 9, "socket", 0, 0.5, ReleaseMark(_page(4), 0, 1.0))
     plain = Timer(1.0, 7, "step", 9, "socket", 0, 0.5)
     heap = [marked, plain, Timer(1.0, 7, "step", 9, "socket", 0, 0.5)]
     heapq.heapify(heap)

@@ -10,8 +10,9 @@ Rules
   soonest first, and forgets them.
 - ``next_deadline()`` is the earliest live deadline, so the daemon sleeps
   exactly until then (no polling interval).
-- A timer may carry a :class:`ReleaseMark`: its owner can release it by
-  writing memory, and the table still holds it until someone asks.
+- A timer may carry a :class:`ReleaseMark`: its owner can re-arm or
+  release it by writing memory, and the table holds it as it was until
+  someone asks.
 
 Theory of operation
 -------------------
@@ -29,12 +30,23 @@ stays O(log n) amortized.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator, Sequence
+import math
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 import msgspec
 
-__all__ = ["ReleaseMark", "Source", "Timer", "TimerTable"]
+from watchdogd_client.slot_layout import (
+    HELD_RING,
+    PAGE_HELD,
+    RELEASE_SLOT_FLOATS,
+    SLOT_ACCEPTED,
+    SLOT_ARMED,
+    SLOT_DEADLINE,
+    SLOT_RELEASED,
+)
+
+__all__ = ["ReleaseMark", "SlotPage", "Source", "Timer", "TimerTable"]
 
 Source = Literal["fifo", "socket"]
 
@@ -42,34 +54,108 @@ Source = Literal["fifo", "socket"]
 _COMPACT_MIN = 64
 
 
+class SlotPage:
+    """A connection's release slots as the daemon reads them (``watchdogd_client.slot_layout``)."""
+
+    __slots__ = ("floats", "lost", "read", "ring", "scopes")
+
+    def __init__(self, floats: memoryview[float], slots: int) -> None:
+        self.floats = floats
+        self.ring = slots * RELEASE_SLOT_FLOATS
+        """Where the held ring starts."""
+        self.scopes: dict[int, str] = {}
+        """Slot -> the scope it is for (named by the first ``Acquire`` with it)."""
+        self.read = 0
+        """The held entries read so far."""
+        self.lost = 0
+        """Held entries the owner wrote over before they were read."""
+
+    def mark(self, slot: int) -> ReleaseMark:
+        return ReleaseMark(self.floats, slot, 0.0)
+
+    def held(self) -> list[tuple[str, float, float]]:
+        """What the owner released since the last call: ``(scope, armed at, released at)``,
+        wall clock, oldest first.
+
+        At most a ring's worth: a count the owner wrote that is not one (NaN, a
+        leap past the ring, one that went back) costs it its own entries only.
+        """
+        floats, read = self.floats, self.read
+        written = floats[PAGE_HELD]
+        if not read < written < read + (1 << 52):  # beyond that, floats skip integers
+            return []
+        end = int(written)
+        start = max(read, end - HELD_RING)
+        raw = []
+        for n in range(start, end):
+            at = self.ring + 3 * (n % HELD_RING)
+            raw.append((n, floats[at], floats[at + 1], floats[at + 2]))
+        # What the owner wrote meanwhile may have overwritten the oldest of them.
+        after = floats[PAGE_HELD]
+        fresh = int(after) - HELD_RING if end <= after < end + (1 << 52) else end
+        self.read = end
+        self.lost += start - read
+        spans = []
+        for n, slot, armed, released in raw:
+            scope_id = self.scopes.get(int(slot)) if slot.is_integer() else None
+            if n < fresh or scope_id is None or not 0.0 <= released - armed < math.inf:
+                self.lost += 1
+                continue
+            spans.append((scope_id, armed, released))
+        return spans
+
+
 class ReleaseMark:
-    """Where a timer's owner marks it released without a request: a slot of
-    floats it shares with the daemon (``watchdogd_client.protocol.RELEASE_SLOT_FLOATS``).
+    """Where a timer's owner re-arms and releases it without a request: a slot of
+    floats it shares with the daemon (``watchdogd_client.slot_layout``).
 
     Reading it is a read of memory; the table never does. Whoever acts on a
-    timer's deadline, lists it or re-arms its key asks :meth:`released_at`.
+    timer's deadline, lists it or re-arms its key asks :meth:`latest`.
     """
 
-    __slots__ = ("arm", "index", "slots")
+    __slots__ = ("arm", "base", "slots", "written")
 
-    def __init__(self, slots: Sequence[float], index: int, arm: float) -> None:
+    def __init__(self, slots: memoryview[float], index: int, arm: float) -> None:
         self.slots = slots
-        self.index = index
+        self.base = index * RELEASE_SLOT_FLOATS
         self.arm = arm
-        """Which arm of its slot this timer is: the owner releases it by writing
-        this count (or a later one) into the slot."""
+        """Which arm of its slot the timer's deadline is (the owner counts them)."""
+        self.written = math.nan
+        """The deadline read with that arm (NaN: it came in a request)."""
 
-    def released_at(self) -> float | None:
-        """The wall-clock time the owner released the timer at; None while it holds it.
+    def newer(self, arm: float, written: float) -> bool:
+        """Whether ``(arm, written)``, read from the slot, is a store arm to follow.
 
-        A later arm's release releases this one too: its own re-arm may have
-        been refused, or still be unread when the old deadline comes.
+        The same count with another deadline is one too: where stores may become
+        visible out of order, the count was read before its deadline was.
         """
-        slots, i = self.slots, 2 * self.index
-        # The owner writes the time, then the count: read in the other order.
-        if not slots[i] >= self.arm:
+        if not math.isfinite(written):
+            return False  # an arm whose request is still on its way (or garbage)
+        return arm > self.arm or (arm == self.arm and written != self.written)
+
+    def latest(self) -> tuple[float, float] | None:
+        """The count and expiration time (wall clock) of the owner's latest arm, or None
+        once it released that arm (and with it every one before).
+
+        A NaN never releases: a count that compares false holds the timer.
+        """
+        slots, i = self.slots, self.base
+        # The owner writes the deadline, then its count: the count is read first.
+        armed = slots[i + SLOT_ARMED]
+        if slots[i + SLOT_RELEASED] >= armed:
             return None
-        return slots[i + 1]
+        return armed, slots[i + SLOT_DEADLINE]
+
+    def armed(self) -> float:
+        """The count of the owner's latest arm, released or not."""
+        return self.slots[self.base + SLOT_ARMED]
+
+    def same_slot(self, other: ReleaseMark) -> bool:
+        return self.slots is other.slots and self.base == other.base
+
+    def accept(self, arm: float) -> None:
+        """Tell the owner its arms up to ``arm`` are watched (0: none; arm with requests)."""
+        self.slots[self.base + SLOT_ACCEPTED] = arm
 
     # Heap order never depends on it (the fields before it decide): two timers
     # only get this far in a tie, and then neither goes first.

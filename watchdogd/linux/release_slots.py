@@ -1,7 +1,7 @@
-"""Release slots: a page of memory a client shares with the daemon, one per connection.
+"""Release slots: memory a client shares with the daemon, one page set per connection.
 
-A client marks a timer released by writing into it (see
-:data:`watchdogd_client.protocol.RELEASE_SLOT_FLOATS`), which costs it no
+A client re-arms and releases a timer by writing into it (see
+:mod:`watchdogd_client.slot_layout`), which costs it no
 system call; the daemon reads the slot when it needs to know. The daemon
 makes the memfd, so the client cannot hand it a file that shrinks under the
 mapping (a read past its end would be SIGBUS in the daemon): it is sealed
@@ -14,27 +14,29 @@ import fcntl
 import mmap
 import os
 
-from watchdogd_client.protocol import RELEASE_SLOT_FLOATS
+from watchdogd_client.slot_layout import HELD_RING, RELEASE_SLOT_FLOATS
 
 __all__ = ["SLOTS", "create_release_slots"]
 
-SLOTS = mmap.PAGESIZE // (8 * RELEASE_SLOT_FLOATS)
-"""Slots per connection: one page of them (256 with 4 KiB pages)."""
+SLOTS = 256
+"""Slots per connection, the header's included."""
+_SIZE = 8 * (SLOTS * RELEASE_SLOT_FLOATS + 3 * HELD_RING)  # 32 KiB, the held ring's 24
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def create_release_slots() -> tuple[int, memoryview[float]]:
-    """A sealed memfd of :data:`SLOTS` zeroed slots, and the daemon's view of its float64s.
+    """A sealed memfd of :data:`SLOTS` zeroed slots and the held ring, and the daemon's
+    view of its float64s.
 
     The descriptor is the caller's to hand on and close; the mapping lives as
     long as the view (and whatever holds it).
     """
     fd = os.memfd_create("watchdogd-release-slots", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, mmap.PAGESIZE)
+        os.ftruncate(fd, _SIZE)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        mapping = mmap.mmap(fd, mmap.PAGESIZE)
+        mapping = mmap.mmap(fd, _SIZE)
     except BaseException:
         os.close(fd)
         raise

@@ -47,7 +47,7 @@ import msgspec
 
 from watchdogd.core.policy import Requester
 from watchdogd.core.ports import GroupControl, GroupError
-from watchdogd.core.timers import ReleaseMark
+from watchdogd.core.timers import ReleaseMark, SlotPage
 from watchdogd.linux.procs import ProcessHandle
 from watchdogd.linux.release_slots import SLOTS, create_release_slots
 from watchdogd.linux.stacks import StackStore
@@ -56,6 +56,7 @@ from watchdogd.service.stats import Stats
 from watchdogd.service.timer_service import ErrorReply, TimerService
 from watchdogd_client import protocol as p
 from watchdogd_client.framing import FrameSplitter, FrameTooLargeError, frame
+from watchdogd_client.slot_layout import PAGE_CLOSED
 
 __all__ = [
     "ADMIN_FRAMES_PER_TURN",
@@ -157,12 +158,8 @@ class Session:
         self.peer = peer
         self.seq = 0
         self.greeted = False
-        self.release_slots: memoryview[float] | None = None
-        """The float64s of the connection's release slots, once the welcome offered them."""
-        self._arms = [0.0] * SLOTS
-        """Per slot: the acquires that came with it (the client counts them too)."""
-        self._slot_scopes: dict[int, str] = {}
-        """Slot -> the scope whose timers it releases (one per connection)."""
+        self.page: SlotPage | None = None
+        """The connection's release slots, once the welcome offered them."""
         self._splitter = FrameSplitter(ports.timers.limits.max_frame)
 
     def feed(self, data: bytes) -> Iterator[Outgoing]:
@@ -244,12 +241,14 @@ class Session:
             welcome.stack_dumps = True
         if self.ports.timers.lazy_release_for(peer.pid):
             try:
-                fd, self.release_slots = create_release_slots()
+                fd, floats = create_release_slots()
             except OSError as e:
                 log.error("cannot make release slots for pid %d: %s", peer.pid, e.strerror)
             else:
                 fds.append(fd)
-                welcome.release_slots = SLOTS
+                welcome.slot_page = SLOTS
+                self.page = SlotPage(floats, SLOTS)
+                self.ports.timers.watch_page(peer.pid, self.page)
         return SendFd(encode(welcome), fds) if fds else welcome
 
     def _dispatch(self, seq: int, request: p.Request) -> p.Reply | Follow | SendFd | OffLoop | None:
@@ -262,12 +261,12 @@ class Session:
         target = peer.pid
         if isinstance(request, _SETTLED_FIRST):
             # What a client released through its slots must not show in the answer.
-            timers.settle_released(None if peer.admin else peer.uid)
+            timers.follow_slots(None if peer.admin else peer.uid)
         match request:
             case p.Acquire(scope_id, expiration_time, signal, pid, learn, slot):
                 target = peer.pid if pid is None else pid
                 pinned = peer.handle if pid is None else None
-                release = None if slot < 0 else self._release_mark(slot, scope_id, pid)
+                release = None if slot < 0 else self._release_mark(slot, scope_id, pid, learn)
                 if isinstance(release, str):
                     error = "bad_request", release
                 else:
@@ -327,31 +326,35 @@ class Session:
         timers.refused("socket", target, getattr(request, "scope_id", ""), error, peer.uid)
         return p.Error(seq, *error)
 
-    def _release_mark(self, slot: int, scope_id: str, pid: int | None) -> ReleaseMark | str:
-        """The mark of an acquire's release slot (its arm counted), or why it has none."""
-        if self.release_slots is None:
+    def _release_mark(
+        self, slot: int, scope_id: str, pid: int | None, learn: bool
+    ) -> ReleaseMark | str:
+        """The mark of an acquire's release slot, or why it has none."""
+        page = self.page
+        if page is None:
             return "release_slot: this connection has no release slots"
         if pid is not None:
             return "release_slot: only for the caller's own timers (no pid)"
+        if learn:
+            return "release_slot: not for a learned deadline (the daemon chooses it)"
         if not 0 < slot < SLOTS:
             return f"release_slot: {slot} is not in 1..{SLOTS - 1}"
-        if self._slot_scopes.setdefault(slot, scope_id) != scope_id:
-            return f"release_slot: {slot} is {self._slot_scopes[slot]!r}'s on this connection"
-        self._arms[slot] += 1.0
-        return ReleaseMark(self.release_slots, slot, self._arms[slot])
+        if page.scopes.setdefault(slot, scope_id) != scope_id:
+            return f"release_slot: {slot} is {page.scopes[slot]!r}'s on this connection"
+        return page.mark(slot)
 
     def close(self) -> None:
         """The connection ended: the page is read no more, its timers keep no mark.
 
-        What the slots released by now is released; the client learns from the
-        header that later releases must be frames (to a daemon it reconnects to).
+        What the slots say by now is taken in; the client learns from the header
+        that later arms and releases must be frames (to a daemon it reconnects to).
         """
-        page = self.release_slots
+        page = self.page
         if page is None:
             return
-        page[0] = 1.0
-        self.ports.timers.unmark(self.peer.pid, self._slot_scopes.values(), page)
-        self.release_slots = None
+        page.floats[PAGE_CLOSED] = 1.0
+        self.ports.timers.close_page(self.peer.pid, page)
+        self.page = None
 
     def _read_dump(self, seq: int, dump_id: str) -> p.Reply:
         found = self.ports.stacks.read(dump_id)

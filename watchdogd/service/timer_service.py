@@ -41,7 +41,7 @@ from watchdogd.core.learned import LearnedDeadlines, LearnKey
 from watchdogd.core.policy import Policy, Requester, Target, check, check_pid, valid_signals
 from watchdogd.core.ports import EventSink, Supervision
 from watchdogd.core.scope_stats import ScopeKey, ScopeStats
-from watchdogd.core.timers import ReleaseMark, Timer, TimerTable
+from watchdogd.core.timers import ReleaseMark, SlotPage, Timer, TimerTable
 from watchdogd.linux import aio
 from watchdogd.linux.priority import set_loop_urgent
 from watchdogd.linux.procs import ProcessHandle, ancestors, open_process
@@ -54,6 +54,7 @@ from watchdogd.service.throttle import NoisyEvents
 from watchdogd.service.timeline import Timeline
 from watchdogd_client import protocol as p
 from watchdogd_client.groups import DeadlineRule
+from watchdogd_client.slot_layout import SLOT_SWEEP
 
 __all__ = ["IDLE_SCOPE", "ErrorReply", "TimerOperations", "TimerService"]
 
@@ -67,6 +68,8 @@ _TIMER_SLACK = 0.0015
 _URGENT_AHEAD = 0.05
 # How often a raised loop looks whether the captures that keep it raised are done.
 _CAPTURE_RECHECK = 0.005
+# Processes whose slots a sweep reads between two turns of the loop.
+_SWEEP_PIDS = 64
 
 ErrorReply = tuple[p.ErrorCode, str]
 
@@ -157,9 +160,13 @@ class TimerService:
         self._policy = build_policy(config)
         # pid -> (via, uid, admin, signal) the policy allowed, until the process exits.
         self._approved: dict[int, set[tuple[str, int, bool, int]]] = {}
-        # pid -> scope -> its timer armed with a release slot (perhaps replaced since).
+        # pid -> scope -> its timer armed with a release slot (out of the table once released).
         self._marked: dict[int, dict[str, Timer]] = {}
+        # pid -> the release slots of its connections that have them.
+        self._pages: dict[int, list[SlotPage]] = {}
         self._wake = anyio.Event()
+        self._watching = anyio.Event()
+        """Set when a timer gets a slot (the sweep waits for one)."""
         self._dirty = False
         self._changed = anyio.Event()
         self._load_wanted = anyio.Event()
@@ -204,14 +211,30 @@ class TimerService:
         ``pinned``: the process ``pid`` must be (a socket peer, by its pidfd).
         ``learn``: the deadline is learned (:mod:`watchdogd.core.learned`);
         ``expiration_time`` is the call's initial one, ``inf`` for none.
-        ``release``: where the owner can mark the timer released without a request.
+        ``release``: where the owner can re-arm and release the timer without a request.
         """
+        error = self._arm(requester, pid, scope_id, expiration_time, signal, pinned, learn, release)
+        if error is not None and release is not None:
+            self._slot_refused(pid, scope_id, release)
+        return error
+
+    def _arm(
+        self,
+        requester: Requester,
+        pid: int,
+        scope_id: str,
+        expiration_time: float,
+        signal: int,
+        pinned: ProcessHandle | None,
+        learn: bool,
+        release: ReleaseMark | None,
+    ) -> ErrorReply | None:
         if expiration_time < 0 and math.isfinite(expiration_time):
             return self.release(requester, pid, scope_id)
         checked = 0.0 if learn and expiration_time == math.inf else expiration_time
         rejection = admit(self.limits, self.table, pid, scope_id, checked)
         if rejection is not None and pid in self._marked:
-            self._settle_pids([pid])  # timers its slots released still count until looked at
+            self._follow_pids([pid])  # timers its slots released still count until looked at
             rejection = admit(self.limits, self.table, pid, scope_id, checked)
         if rejection is not None:
             return rejection
@@ -245,19 +268,24 @@ class TimerService:
             return refusal
         if new_handle:
             self.watch_process(handle)
+        if release is not None:
+            # The latest arm written there is the timer: this one, or a store arm the
+            # client made since it sent this one (released already: watched, and gone
+            # from the table at the next look).
+            latest = release.latest()
+            if latest is None:
+                release.arm = release.armed()
+            else:
+                release.arm, written = latest
+                if math.isfinite(written):
+                    release.written = expiration_time = written
         now = time.monotonic()
-        wall = time.time()
-        old = self.table.get(pid, scope_id)
-        if old is not None:
-            self._settle(old, now, handle.uid)  # a slot's release comes to light now
-        deadline = now + (expiration_time - wall)
+        deadline = now + (expiration_time - time.time())
         source: Literal["fifo", "socket"] = requester.via
         if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid, now, release):
             self._wake.set()
         if release is not None:
-            timer = self.table.get(pid, scope_id)
-            assert timer is not None
-            self._marked.setdefault(pid, {})[scope_id] = timer
+            self._watch_slot(pid, scope_id, release)
         if scope_id != IDLE_SCOPE:
             self.table.release(pid, IDLE_SCOPE)  # it holds a timer: not idle
         self._mark_changed()
@@ -348,77 +376,159 @@ class TimerService:
         ):
             self._wake.set()
 
-    @staticmethod
-    def _slot_released(timer: Timer) -> bool:
-        """Whether the owner marked ``timer`` released in its release slot."""
-        return timer.release is not None and timer.release.released_at() is not None
+    def _watch_slot(self, pid: int, scope_id: str, release: ReleaseMark) -> None:
+        """Follow ``(pid, scope_id)`` through ``release``'s slot from now on."""
+        timer = self.table.get(pid, scope_id)
+        assert timer is not None
+        marked = self._marked.setdefault(pid, {})
+        before = marked.get(scope_id)
+        if before is not None and before.release is not None:
+            old = before.release
+            if not old.same_slot(release):
+                old.accept(0.0)  # another connection's slot: its store arms would go unread
+        marked[scope_id] = timer
+        release.accept(release.arm)
+        self._watching.set()
 
-    def _settle(self, timer: Timer, now: float, uid: int) -> bool:
-        """Release ``timer`` if its owner marked it released; whether it had."""
-        if not self._slot_released(timer):
-            return False
-        self.table.release(timer.pid, timer.scope_id)
-        self._released(timer, now, uid)
-        return True
+    def _slot_refused(self, pid: int, scope_id: str, release: ReleaseMark) -> None:
+        """A refused arm with a slot: the timer before it stands, at its own deadline.
 
-    def settle_released(self, uid: int | None) -> None:
-        """Release what the owners (``uid``'s processes; everyone's for None) marked released.
+        The client arms with requests until one is accepted again.
+        """
+        release.accept(0.0)
+        latest = release.latest()
+        timer = self._marked.get(pid, {}).get(scope_id)
+        mark = None if timer is None else timer.release
+        if mark is not None and latest is not None and mark.same_slot(release):
+            mark.arm = max(mark.arm, latest[0])  # the refused arm and any before it: not the timer
+
+    def _follow(self, timer: Timer, now: float) -> Literal["held", "released", "moved"]:
+        """Bring a timer armed with a slot up to what its owner wrote there since.
+
+        Released: out of the table (its slot still watched, for later store arms).
+        Moved: a later store arm is the timer now, re-armed at its deadline. Held:
+        ``timer`` stands as it is (an arm sent as a request counts when it is read).
+        """
+        mark = timer.release
+        if mark is None:
+            return "held"
+        latest = mark.latest()
+        pid, scope_id = timer.pid, timer.scope_id
+        if latest is None:
+            if self.table.get(pid, scope_id) is timer:
+                self.table.release(pid, scope_id)
+            return "released"
+        arm, expiration_time = latest
+        if not mark.newer(arm, expiration_time):
+            return "held"
+        mark.arm, mark.written = arm, expiration_time
+        deadline = now + (expiration_time - time.time())
+        if self.table.arm(
+            pid, scope_id, deadline, timer.signal, timer.source, timer.uid, now, mark
+        ):
+            self._wake.set()
+        moved = self.table.get(pid, scope_id)
+        assert moved is not None
+        self._marked[pid][scope_id] = moved
+        return "moved"
+
+    def follow_slots(self, uid: int | None) -> None:
+        """Bring the timers of ``uid``'s processes (everyone's for None) up to their slots.
 
         Before a query answers from the table or the statistics, so that what
         a client released before its ``sync()`` is gone from its listing. It
         walks the timers armed with slots only, not the table.
         """
-        pids = list(self._marked) if uid is None else self._pids_of.get(uid, ())
-        self._settle_pids([pid for pid in pids if pid in self._marked])
+        pids = list(self._pages) if uid is None else self._pids_of.get(uid, ())
+        self._follow_pids([pid for pid in pids if pid in self._pages])
 
-    def _settle_pids(self, pids: Iterable[int]) -> None:
+    def _follow_pids(self, pids: Iterable[int]) -> None:
         now = time.monotonic()
         changed = False
         for pid in pids:
-            marked = self._marked[pid]
-            owner = self.processes[pid].uid
-            settled = False
-            for scope_id, timer in list(marked.items()):
-                if self.table.get(pid, scope_id) is not timer or timer.release is None:
-                    del marked[scope_id]  # released, replaced or expired since
-                elif self._settle(timer, now, owner):
-                    del marked[scope_id]
-                    settled = True
-            if not marked:
-                del self._marked[pid]
-            if settled:
-                self._arm_idle(pid, now, owner)
-                changed = True
+            self._read_held(pid)
+            for timer in list(self._marked.get(pid, {}).values()):
+                live = timer.live  # a released one out of the table already changes nothing
+                outcome = self._follow(timer, now)
+                changed |= outcome == "moved" or (outcome == "released" and live)
         if changed:
             self._mark_changed()
 
-    def unmark(self, pid: int, scopes: Iterable[str], slots: Sequence[float]) -> None:
-        """``slots`` (a connection's page) is read no more: settle its timers, unmark the rest."""
+    async def _sweep_slots(self) -> None:
+        """Read every watched slot at least every ``SLOT_SWEEP`` seconds.
+
+        A store arm of a released timer, or one earlier than the deadline the
+        heap holds, comes to light here, ``STORE_ARM_LEAD`` ahead of its deadline
+        at the latest. ``_SWEEP_PIDS`` processes at a time, so a node full of
+        them never holds the loop.
+        """
+        while True:
+            if not self._pages:
+                self._watching = anyio.Event()
+                await self._watching.wait()
+            await anyio.sleep(SLOT_SWEEP)
+            pids = list(self._pages)
+            for start in range(0, len(pids), _SWEEP_PIDS):
+                self._follow_pids(
+                    [pid for pid in pids[start : start + _SWEEP_PIDS] if pid in self._pages]
+                )
+                await anyio.lowlevel.checkpoint()
+
+    def watch_page(self, pid: int, page: SlotPage) -> None:
+        """Read ``page`` (a connection's release slots) until :meth:`close_page`."""
+        self._pages.setdefault(pid, []).append(page)
+        self._watching.set()
+
+    def close_page(self, pid: int, page: SlotPage) -> None:
+        """``page`` is read no more: what it says is taken in, its timers become plain ones."""
+        pages = self._pages.get(pid)
+        if pages is None or page not in pages:
+            return  # the process exited first
+        self._read_held(pid)
+        pages.remove(page)
+        if not pages:
+            del self._pages[pid]
         marked = self._marked.get(pid)
-        handle = self.processes.get(pid)
-        if marked is None or handle is None:
+        if marked is None:
             return
         now = time.monotonic()
-        for scope_id in scopes:
+        for scope_id in page.scopes.values():
             timer = marked.get(scope_id)
-            if timer is None or timer.release is None or timer.release.slots is not slots:
+            if timer is None or timer.release is None or timer.release.slots is not page.floats:
                 continue  # another connection's (or none)
+            self._follow(timer, now)
             del marked[scope_id]
-            live = self.table.get(pid, scope_id) is timer
-            if live and not self._settle(timer, now, handle.uid):
-                timer.release = None
+            live = self.table.get(pid, scope_id)
+            if live is not None and live.release is not None and live.release.slots is page.floats:
+                live.release = None
         if not marked:
             del self._marked[pid]
 
-    def _released(self, timer: Timer, now: float, uid: int) -> None:
-        """A timer its owner released: on the timeline, and a sample of its scope's duration.
+    def _read_held(self, pid: int) -> None:
+        """Take in how long ``pid`` held what it released through its slots since the last read."""
+        pages = self._pages.get(pid)
+        if pages is not None:
+            for page in pages:
+                lost = page.lost
+                spans = page.held()
+                self.stats.held_lost += page.lost - lost
+                if spans:
+                    self._record_held(pid, spans)
 
-        One released through its slot ended when the slot says, however much
-        later the daemon looks.
-        """
-        at = None if timer.release is None else timer.release.released_at()
-        if at is not None:
-            now = max(timer.armed, now - max(0.0, time.time() - at))
+    def _record_held(self, pid: int, spans: Iterable[tuple[str, float, float]]) -> None:
+        """What ``pid`` held and released through its slots: ``(scope, armed, released)``,
+        wall clock. The timeline and the statistics of those releases come from here."""
+        handle = self.processes.get(pid)
+        if handle is None:
+            return
+        offset = time.monotonic() - time.time()
+        for scope_id, armed, released in spans:
+            ended = released + offset
+            timer = Timer(ended, pid, scope_id, 0, "socket", handle.uid, armed + offset)
+            self._released(timer, ended, handle.uid)
+
+    def _released(self, timer: Timer, now: float, uid: int) -> None:
+        """A timer its owner released: on the timeline, and a sample of its scope's duration."""
         self.timeline.record((timer, now, "released", uid))
         if timer.scope_id == IDLE_SCOPE:
             return  # the daemon's own timer: not a scope of the trainer's
@@ -448,6 +558,7 @@ class TimerService:
         worker = self.supervision.worker(pid)
         if worker is None:
             return None
+        self._read_held(pid)  # the host-time releases this report follows come first
         key = ScopeKey(worker.group, scope_id, worker.rank)
         if key in self.scope_stats.sketches:
             self.stragglers.sample(key, seconds, device=True)
@@ -553,6 +664,7 @@ class TimerService:
     def _on_process_exit(self, handle: ProcessHandle) -> None:
         aio.unwatch(handle.pidfd)
         handle.close()
+        self._read_held(handle.pid)  # what it released before it ended (it needs the handle)
         if self.processes.get(handle.pid) is handle:
             del self.processes[handle.pid]
             owned = self._pids_of[handle.uid]
@@ -562,14 +674,11 @@ class TimerService:
         self.reaper.forget(handle)
         self._approved.pop(handle.pid, None)
         now = time.monotonic()
+        self._pages.pop(handle.pid, None)
         self._marked.pop(handle.pid, None)
         timers = self.table.release_pid(handle.pid)
-        dropped = []
-        for timer in timers:
-            if self._slot_released(timer):  # it had ended before its process did
-                self._released(timer, now, handle.uid)
-            else:
-                dropped.append(timer)
+        # One its slot released had ended before its process did (its held time read above).
+        dropped = [t for t in timers if t.release is None or t.release.latest() is not None]
         if self.supervision.worker(handle.pid) is None:
             self.scope_stats.forget("", handle.pid)  # its "rank" was its pid
             self.learned.forget_pid(handle.pid)
@@ -602,6 +711,7 @@ class TimerService:
         self.reaper.attach(task_group)
         self._expiring = True
         task_group.start_soon(self.noisy.run)
+        task_group.start_soon(self._sweep_slots)
         table = self.table
         while True:
             deadline = table.next_deadline()
@@ -656,10 +766,10 @@ class TimerService:
             for timer in popped:
                 handle = processes.get(timer.pid)
                 uid = -1 if handle is None else handle.uid
-                if self._slot_released(timer):  # not due after all: it had ended
-                    self._released(timer, now, uid)
-                    self._arm_idle(timer.pid, now, uid)
-                    continue
+                if timer.pid in self._pages:
+                    self._read_held(timer.pid)  # its timeline up to the expiry
+                if timer.release is not None and self._follow(timer, now) != "held":
+                    continue  # not due after all: released, or armed again since
                 self.timeline.record((timer, now, "expired", uid))
                 expired.append(timer)
             done += self.reaper.expire(expired)
@@ -686,6 +796,7 @@ class TimerService:
 
     def snapshot_timers(self, size: int = 1000) -> Iterator[list[SnapshotTimer]]:
         """The live timers as snapshot records, ``size`` at a time (wall-clock deadlines)."""
+        self.follow_slots(None)
         now, wall = time.monotonic(), time.time()
         processes = self.processes
         entries = self.table.entries()
@@ -701,7 +812,7 @@ class TimerService:
                     t.uid,
                 )
                 for t in entries[start : start + size]
-                if t.live and t.pid in processes and not self._slot_released(t)
+                if t.live and t.pid in processes
             ]
 
     def restore_timer(self, saved: SnapshotTimer, now: float, wall: float) -> bool:
