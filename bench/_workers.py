@@ -262,9 +262,14 @@ def _use_up_release_slots(client: wd.SocketTimerClient) -> None:
 
 
 def write_requests(
-    impl: Impl, endpoint: str, duration_s: float, start: multiprocessing.synchronize.Barrier
+    impl: Impl,
+    endpoint: str,
+    duration_s: float,
+    ready: multiprocessing.synchronize.Barrier,
+    start: multiprocessing.synchronize.Barrier,
 ) -> WriterResult:
-    """acquire/release pairs on one scope, as fast as possible, for ``duration_s``."""
+    """acquire/release pairs on one scope, as fast as possible, for ``duration_s``
+    (``ready`` once set up, then from ``start``)."""
     client = _client(impl, endpoint, signal.SIGKILL)
     if isinstance(client, wd.SocketTimerClient):
         _use_up_release_slots(client)
@@ -272,6 +277,7 @@ def write_requests(
     acquire, release = client.acquire, client.release
     errors: Counter[str] = Counter()
     sent = 0
+    ready.wait()
     start.wait()
     started = time.monotonic()
     stop_at = started + duration_s
