@@ -25,6 +25,8 @@ import pytest
 
 import watchdogd_client as wd
 from watchdogd.core.config import Limits
+from watchdogd.core.scope_stats import DurationSketch
+from watchdogd.daemon import Daemon
 from watchdogd.linux.release_slots import SLOTS
 from watchdogd_client import protocol as p
 from watchdogd_client.groups import GroupSpec
@@ -67,6 +69,12 @@ async def line(proc: subprocess.Popen[str]) -> str:
     return await anyio.to_thread.run_sync(proc.stdout.readline)
 
 
+def step_sketch(daemon: Daemon) -> DurationSketch:
+    """The statistics of the trainer's "step" scope (there is one trainer)."""
+    (sketch,) = [s for k, s in daemon.timers.scope_stats.sketches.items() if k.scope == "step"]
+    return sketch
+
+
 async def test_a_timer_released_by_its_slot_is_not_killed_and_its_time_is_recorded(
     short_dir: Path,
 ) -> None:
@@ -80,7 +88,7 @@ async def test_a_timer_released_by_its_slot_is_not_killed_and_its_time_is_record
         assert daemon.stats.requests["socket.release"] == 0  # no release was sent
         assert daemon.stats.requests["socket.acquire"] == 5
         daemon.timers.follow_slots(None)
-        (sketch,) = [s for k, s in daemon.timers.scope_stats.sketches.items() if k.scope == "step"]
+        sketch = step_sketch(daemon)
         assert sketch.count == 5
         assert 0.015 <= sketch.quantile(0.5) < 0.15  # held ~20 ms, not until the deadline
         assert len(daemon.timers.table) == 0
@@ -108,7 +116,7 @@ async def test_store_arms_send_nothing_and_a_hang_among_them_is_killed(short_dir
         started = time.monotonic()
         assert daemon.stats.requests["socket.acquire"] < 5  # the first, not 200
         daemon.timers.follow_slots(None)  # a query's look: the held ring read
-        (sketch,) = [s for k, s in daemon.timers.scope_stats.sketches.items() if k.scope == "step"]
+        sketch = step_sketch(daemon)
         assert sketch.count == 200  # every block's held time, from the held ring
         assert 0.004 <= sketch.quantile(0.5) < 0.1
         assert await exit_code(trainer) == -signal.SIGKILL
@@ -164,7 +172,7 @@ async def test_releases_beyond_the_held_ring_are_counted_lost_not_misread(
     ):
         assert await line(trainer) == "done\n"
         daemon.timers.follow_slots(None)
-        (sketch,) = [s for k, s in daemon.timers.scope_stats.sketches.items() if k.scope == "step"]
+        sketch = step_sketch(daemon)
         assert daemon.stats.held_lost > 0
         assert sketch.count + daemon.stats.held_lost == 5000
         assert sketch.quantile(0.99) < 0.01  # no entry read torn (or as another's)
