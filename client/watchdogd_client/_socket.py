@@ -631,6 +631,7 @@ class SocketTimerClient(TimerClient):
         unwritten, slots = self._unwritten, self._slots
         if slots is not None and not slots[_CLOSED]:
             count, ring = self._held_count, self._held_ring
+            slots[layout.PAGE_HELD_WRITING] = count + len(unwritten)  # first: see slot_layout
             # Only the newest ring's worth can be there to read: the daemon counts the
             # rest as lost, from the count.
             skipped = max(0, len(unwritten) - layout.HELD_RING)

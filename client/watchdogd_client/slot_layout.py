@@ -31,12 +31,14 @@ whenever a deadline it holds comes: the latest arm written is the timer.
 **The held ring.** The daemon sees only a slot's latest arm, so the client
 appends how long each timer it released through a slot was held: entry
 ``n`` (at ``n % HELD_RING``) is ``(slot, armed at, released at)``, wall
-clock, and the header's :data:`PAGE_HELD` float is the count of entries
-written, stored after the entries. The client may write them in batches
+clock. Before it writes entries the client stores in the header's
+:data:`PAGE_HELD_WRITING` float the count they bring the ring to, and after
+them it stores that count in :data:`PAGE_HELD`. The client may write them in batches
 (the Python client does at its look for replies, at most a millisecond of
 calls after a release, and before a query, at close and at exit). The
-daemon reads what is new whenever it looks at the page; entries the client
-wrote over before that are counted as lost, never read torn.
+daemon reads what is new whenever it looks at the page, up to
+``PAGE_HELD``, then reads ``PAGE_HELD_WRITING`` again: an entry the client
+may have been writing over meanwhile is counted as lost, never read torn.
 
 **The header**: :data:`PAGE_CLOSED` turns non-zero once the daemon reads
 the page no more (the connection is closing); the client then arms and
@@ -51,6 +53,7 @@ __all__ = [
     "HELD_RING",
     "PAGE_CLOSED",
     "PAGE_HELD",
+    "PAGE_HELD_WRITING",
     "RELEASE_SLOT_FLOATS",
     "SLOT_ACCEPTED",
     "SLOT_ARMED",
@@ -67,6 +70,7 @@ SLOT_DEADLINE: Final = 2
 SLOT_ACCEPTED: Final = 3
 PAGE_CLOSED: Final = 0
 PAGE_HELD: Final = 1
+PAGE_HELD_WRITING: Final = 2
 HELD_RING: Final = 1024
 """Entries in the held ring: the releases a page can take between two sweeps."""
 STORE_ARM_LEAD: Final = 1.0

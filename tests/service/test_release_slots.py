@@ -361,6 +361,94 @@ async def test_released_timers_waiting_to_be_looked_at_do_not_count_against_the_
         assert daemon.stats.refused == 0
 
 
+async def test_a_slot_release_holds_while_the_next_arm_is_still_a_request_on_its_way(
+    short_dir: Path,
+) -> None:
+    # Released in time through the slot, then armed again with a frame (under a
+    # second ahead): the daemon, busy, reaches the first deadline before the frame.
+    code = """
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        c.acquire("step", time.time() + 0.3)
+        c.sync()
+        print("armed", flush=True)
+        sys.stdin.readline()
+        c.release("step")
+        c.acquire("step", time.time() + 0.9)
+        time.sleep(0.7)
+        c.release("step")
+        time.sleep(1.0)
+        print("alive", flush=True)
+        sys.stdin.readline()
+    """
+    async with (
+        running_daemon(short_dir, max_stall=None) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await line(trainer) == "armed\n"
+        assert trainer.stdin is not None
+        trainer.stdin.write("\n")
+        trainer.stdin.flush()
+        time.sleep(0.5)  # noqa: ASYNC251 - the loop held on purpose: the first deadline passes
+        assert await line(trainer) == "alive\n"
+        assert daemon.stats.expired == 0
+
+
+async def test_a_refused_arm_after_a_slot_release_brings_nothing_back(short_dir: Path) -> None:
+    code = """
+        import math, sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        deadline = time.time() + 1.5
+        c.acquire("step", deadline)
+        c.sync()
+        c.release("step")  # in time, through the slot
+        c.acquire("step", math.inf)  # refused: not finite
+        try:
+            c.sync()
+        except wd.RequestError as e:
+            print(e.code, flush=True)
+        time.sleep(max(0.0, deadline - time.time()) + 0.5)
+        print("alive", flush=True)
+        sys.stdin.readline()
+    """
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await line(trainer) == "bad_request\n"
+        assert await line(trainer) == "alive\n"
+        assert daemon.stats.expired == 0
+
+
+async def test_an_arm_without_the_slot_stops_the_slots_store_arms(short_dir: Path) -> None:
+    # A learned arm replaces a slot-armed timer: the slot says nothing of it any more,
+    # so the next arm of the scope must be a request the daemon reads.
+    code = """
+        import sys, time
+        import watchdogd_client as wd
+        c = wd.SocketTimerClient(sys.argv[1])
+        with wd.expires(after=60, scope="step", client=c):
+            pass
+        c.sync()
+        c.acquire_learned("step", 60)
+        c.sync()
+        c.acquire("step", time.time() + 1.5)  # a request again, not a store arm
+        c.sync()
+        print("armed", flush=True)
+        time.sleep(60)  # hung
+    """
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await line(trainer) == "armed\n"
+        assert daemon.stats.requests["socket.acquire"] == 3
+        assert await exit_code(trainer) == -signal.SIGKILL
+        assert daemon.stats.expired == 1
+
+
 async def test_a_slot_release_after_the_daemon_restarted_reaches_the_new_one(
     short_dir: Path,
 ) -> None:

@@ -10,7 +10,13 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from watchdogd.core.timers import ReleaseMark, Timer, TimerTable
+from watchdogd.core.timers import ReleaseMark, SlotPage, Timer, TimerTable
+from watchdogd_client.slot_layout import (
+    HELD_RING,
+    PAGE_HELD,
+    PAGE_HELD_WRITING,
+    RELEASE_SLOT_FLOATS,
+)
 
 pids = st.integers(min_value=2, max_value=6)
 scopes = st.sampled_from(["a", "b", "c", "d"])
@@ -141,6 +147,42 @@ def test_a_release_mark_follows_store_arms_only() -> None:
     assert not mark.newer(3.0, 50.0)
     # The count was seen before its deadline (stores visible out of order): read again.
     assert mark.newer(3.0, 60.0)
+
+
+def test_a_released_arm_stays_released_while_the_next_arm_is_a_request_or_refused() -> None:
+    slots = _page(8)
+    mark = ReleaseMark(slots, 1, 2.0)
+    slots[4:7] = array.array("d", [2.0, 3.0, math.nan])  # arm 2 released; arm 3 sent as a frame
+    assert mark.since() == "released"  # not held (and killed) until arm 3's request is read
+    slots[4] = 1.0  # only arm 1 released: arm 2 holds
+    assert mark.since() == "held"
+    slots[5:7] = array.array("d", [3.0, 90.0])  # arm 3 a store arm: the timer now
+    assert mark.since() == (3.0, 90.0)
+    slots[4] = 3.0
+    assert mark.since() == "released"
+
+
+def test_held_ring_entries_being_written_over_are_lost_not_read() -> None:
+    ring = 4 * RELEASE_SLOT_FLOATS
+    floats = _page(ring + 3 * HELD_RING)
+    page = SlotPage(floats, 4)
+    page.scopes.update({1: "a", 2: "b"})
+
+    def put(n: int, slot: int, armed: float, released: float) -> None:
+        at = ring + 3 * (n % HELD_RING)
+        floats[at : at + 3] = array.array("d", [slot, armed, released])
+
+    for n in range(HELD_RING):
+        put(n, 1, 100.0 + n, 101.0 + n)
+    floats[PAGE_HELD_WRITING] = floats[PAGE_HELD] = HELD_RING
+    # The owner is writing entry 1024 over entry 0 when the daemon reads.
+    floats[PAGE_HELD_WRITING] = HELD_RING + 1
+    put(HELD_RING, 2, 5000.0, 5010.0)
+    first = page.held()
+    assert len(first) == HELD_RING - 1 and page.lost == 1  # entry 0: maybe torn
+    assert all(scope == "a" and released - armed == 1.0 for scope, armed, released in first)
+    floats[PAGE_HELD] = HELD_RING + 1
+    assert page.held() == [("b", 5000.0, 5010.0)]  # read once, as itself
 
 
 def test_timers_that_tie_up_to_their_marks_still_order() -> None:

@@ -39,6 +39,7 @@ import msgspec
 from watchdogd_client.slot_layout import (
     HELD_RING,
     PAGE_HELD,
+    PAGE_HELD_WRITING,
     RELEASE_SLOT_FLOATS,
     SLOT_ACCEPTED,
     SLOT_ARMED,
@@ -90,8 +91,8 @@ class SlotPage:
         for n in range(start, end):
             at = self.ring + 3 * (n % HELD_RING)
             raw.append((n, floats[at], floats[at + 1], floats[at + 2]))
-        # What the owner wrote meanwhile may have overwritten the oldest of them.
-        after = floats[PAGE_HELD]
+        # What the owner was writing meanwhile may have overwritten the oldest of them.
+        after = floats[PAGE_HELD_WRITING]
         fresh = int(after) - HELD_RING if end <= after < end + (1 << 52) else end
         self.read = end
         self.lost += start - read
@@ -145,6 +146,22 @@ class ReleaseMark:
         if slots[i + SLOT_RELEASED] >= armed:
             return None
         return armed, slots[i + SLOT_DEADLINE]
+
+    def since(self) -> Literal["held", "released"] | tuple[float, float]:
+        """What the owner wrote since this arm: a later store arm to follow (its
+        count and deadline), ``"released"`` (this arm, or one after it), or ``"held"``.
+
+        Released means released even while the next arm's request is on its way
+        (or was refused): its count is in the slot before the daemon reads it.
+        """
+        slots, i = self.slots, self.base
+        armed = slots[i + SLOT_ARMED]
+        released = slots[i + SLOT_RELEASED]
+        if not released >= armed:
+            deadline = slots[i + SLOT_DEADLINE]
+            if self.newer(armed, deadline):
+                return armed, deadline
+        return "released" if released >= self.arm else "held"
 
     def armed(self) -> float:
         """The count of the owner's latest arm, released or not."""

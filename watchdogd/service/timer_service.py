@@ -215,7 +215,9 @@ class TimerService:
         """
         error = self._arm(requester, pid, scope_id, expiration_time, signal, pinned, learn, release)
         if error is not None and release is not None:
-            self._slot_refused(pid, scope_id, release)
+            # The timer before it stands, at its own deadline (its slot still watched);
+            # the client arms with requests until one is accepted again.
+            release.accept(0.0)
         return error
 
     def _arm(
@@ -286,6 +288,8 @@ class TimerService:
             self._wake.set()
         if release is not None:
             self._watch_slot(pid, scope_id, release)
+        elif pid in self._marked:
+            self._unwatch_slot(pid, scope_id)
         if scope_id != IDLE_SCOPE:
             self.table.release(pid, IDLE_SCOPE)  # it holds a timer: not idle
         self._mark_changed()
@@ -390,17 +394,15 @@ class TimerService:
         release.accept(release.arm)
         self._watching.set()
 
-    def _slot_refused(self, pid: int, scope_id: str, release: ReleaseMark) -> None:
-        """A refused arm with a slot: the timer before it stands, at its own deadline.
-
-        The client arms with requests until one is accepted again.
-        """
-        release.accept(0.0)
-        latest = release.latest()
-        timer = self._marked.get(pid, {}).get(scope_id)
-        mark = None if timer is None else timer.release
-        if mark is not None and latest is not None and mark.same_slot(release):
-            mark.arm = max(mark.arm, latest[0])  # the refused arm and any before it: not the timer
+    def _unwatch_slot(self, pid: int, scope_id: str) -> None:
+        """``(pid, scope_id)`` was armed without its slot (a learned deadline, another
+        process's request): the slot no longer says what the timer is."""
+        marked = self._marked[pid]
+        before = marked.pop(scope_id, None)
+        if before is not None and before.release is not None:
+            before.release.accept(0.0)  # its owner's next arm goes as a request
+        if not marked:
+            del self._marked[pid]
 
     def _follow(self, timer: Timer, now: float) -> Literal["held", "released", "moved"]:
         """Bring a timer armed with a slot up to what its owner wrote there since.
@@ -412,16 +414,16 @@ class TimerService:
         mark = timer.release
         if mark is None:
             return "held"
-        latest = mark.latest()
+        since = mark.since()
         pid, scope_id = timer.pid, timer.scope_id
-        if latest is None:
+        if since == "released":
             if self.table.get(pid, scope_id) is timer:
                 self.table.release(pid, scope_id)
             return "released"
-        arm, expiration_time = latest
-        if not mark.newer(arm, expiration_time):
+        if since == "held":
             return "held"
-        mark.arm, mark.written = arm, expiration_time
+        mark.arm, mark.written = since
+        expiration_time = mark.written
         deadline = now + (expiration_time - time.time())
         if self.table.arm(
             pid, scope_id, deadline, timer.signal, timer.source, timer.uid, now, mark
@@ -678,7 +680,7 @@ class TimerService:
         self._marked.pop(handle.pid, None)
         timers = self.table.release_pid(handle.pid)
         # One its slot released had ended before its process did (its held time read above).
-        dropped = [t for t in timers if t.release is None or t.release.latest() is not None]
+        dropped = [t for t in timers if t.release is None or t.release.since() != "released"]
         if self.supervision.worker(handle.pid) is None:
             self.scope_stats.forget("", handle.pid)  # its "rank" was its pid
             self.learned.forget_pid(handle.pid)
