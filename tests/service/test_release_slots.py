@@ -182,6 +182,33 @@ async def test_releases_beyond_the_held_ring_are_counted_lost_not_misread(
         assert status.held_lost == daemon.stats.held_lost
 
 
+async def test_a_flood_of_slot_releases_never_holds_the_loop(short_dir: Path) -> None:
+    # 32 connections' held rings full at once: read in chunks (running_daemon fails
+    # the test if the loop stalls for more than 50 ms).
+    code = """
+        import sys
+        import watchdogd_client as wd
+        clients = [wd.SocketTimerClient(sys.argv[1]) for _ in range(32)]
+        for c in clients:
+            for _ in range(1024):
+                with wd.expires(after=30, scope="step", client=c):
+                    pass
+            c._write_held()  # all of them, now
+        print("flooded", flush=True)
+        sys.stdin.readline()
+    """
+    async with (
+        running_daemon(short_dir) as daemon,
+        trainer_running(code, str(daemon.socket_path)) as trainer,
+    ):
+        assert await line(trainer) == "flooded\n"
+        sketches = daemon.timers.scope_stats.sketches
+        await wait_for(
+            lambda: sum(s.count for s in sketches.values()) + daemon.stats.held_lost >= 32 * 1024
+        )
+        assert step_sketch(daemon).count > 16 * 1024
+
+
 async def test_a_store_arm_to_an_earlier_deadline_is_killed_at_it(short_dir: Path) -> None:
     code = """
         import sys, time

@@ -185,6 +185,21 @@ def test_held_ring_entries_being_written_over_are_lost_not_read() -> None:
     assert page.held() == [("b", 5000.0, 5010.0)]  # read once, as itself
 
 
+def test_a_held_ring_read_can_stop_short_and_go_on_later() -> None:
+    ring = 4 * RELEASE_SLOT_FLOATS
+    floats = _page(ring + 3 * HELD_RING)
+    page = SlotPage(floats, 4)
+    page.scopes[1] = "a"
+    for n in range(10):
+        at = ring + 3 * n
+        floats[at : at + 3] = array.array("d", [1, n, n + 0.5])
+    floats[PAGE_HELD_WRITING] = floats[PAGE_HELD] = 10
+    assert [armed for _, armed, _ in page.held(4)] == [0, 1, 2, 3]
+    assert page.held(0) == []
+    assert [armed for _, armed, _ in page.held()] == [4, 5, 6, 7, 8, 9]
+    assert page.lost == 0
+
+
 def test_timers_that_tie_up_to_their_marks_still_order() -> None:
     marked = Timer(1.0, 7, "step", 9, "socket", 0, 0.5, ReleaseMark(_page(4), 0, 1.0))
     plain = Timer(1.0, 7, "step", 9, "socket", 0, 0.5)

@@ -74,19 +74,19 @@ class SlotPage:
     def mark(self, slot: int) -> ReleaseMark:
         return ReleaseMark(self.floats, slot, 0.0)
 
-    def held(self) -> list[tuple[str, float, float]]:
+    def held(self, limit: int = HELD_RING) -> list[tuple[str, float, float]]:
         """What the owner released since the last call: ``(scope, armed at, released at)``,
-        wall clock, oldest first.
+        wall clock, oldest first; at most ``limit`` entries (the rest stay for the next).
 
         At most a ring's worth: a count the owner wrote that is not one (NaN, a
         leap past the ring, one that went back) costs it its own entries only.
         """
         floats, read = self.floats, self.read
         written = floats[PAGE_HELD]
-        if not read < written < read + (1 << 52):  # beyond that, floats skip integers
+        if limit <= 0 or not read < written < read + (1 << 52):  # past 2**52 floats skip integers
             return []
-        end = int(written)
-        start = max(read, end - HELD_RING)
+        start = max(read, int(written) - HELD_RING)
+        end = min(int(written), start + limit)
         raw = []
         for n in range(start, end):
             at = self.ring + 3 * (n % HELD_RING)

@@ -54,7 +54,7 @@ from watchdogd.service.throttle import NoisyEvents
 from watchdogd.service.timeline import Timeline
 from watchdogd_client import protocol as p
 from watchdogd_client.groups import DeadlineRule
-from watchdogd_client.slot_layout import SLOT_SWEEP
+from watchdogd_client.slot_layout import HELD_RING, SLOT_SWEEP
 
 __all__ = ["IDLE_SCOPE", "ErrorReply", "TimerOperations", "TimerService"]
 
@@ -68,8 +68,10 @@ _TIMER_SLACK = 0.0015
 _URGENT_AHEAD = 0.05
 # How often a raised loop looks whether the captures that keep it raised are done.
 _CAPTURE_RECHECK = 0.005
-# Processes whose slots a sweep reads between two turns of the loop.
-_SWEEP_PIDS = 64
+# Held-ring entries and slots a sweep reads between two turns of the loop.
+_SWEEP_CHUNK = 512
+# Held-ring entries a query reads before it answers (the sweep reads the rest).
+_QUERY_HELD = 2048
 
 ErrorReply = tuple[p.ErrorCode, str]
 
@@ -442,39 +444,57 @@ class TimerService:
         walks the timers armed with slots only, not the table.
         """
         pids = list(self._pages) if uid is None else self._pids_of.get(uid, ())
-        self._follow_pids([pid for pid in pids if pid in self._pages])
+        budget = _QUERY_HELD
+        for pid in pids:
+            if pid in self._pages:
+                budget -= self._read_held(pid, max(0, budget))
+                self._follow_marks(pid)
 
     def _follow_pids(self, pids: Iterable[int]) -> None:
-        now = time.monotonic()
-        changed = False
         for pid in pids:
             self._read_held(pid)
-            for timer in list(self._marked.get(pid, {}).values()):
-                live = timer.live  # a released one out of the table already changes nothing
-                outcome = self._follow(timer, now)
-                changed |= outcome == "moved" or (outcome == "released" and live)
+            self._follow_marks(pid)
+
+    def _follow_marks(self, pid: int) -> int:
+        """Bring ``pid``'s slot-armed timers up to their slots; how many it looked at."""
+        marked = self._marked.get(pid)
+        if marked is None:
+            return 0
+        now = time.monotonic()
+        changed = False
+        for timer in list(marked.values()):
+            live = timer.live  # a released one out of the table already changes nothing
+            outcome = self._follow(timer, now)
+            changed |= outcome == "moved" or (outcome == "released" and live)
         if changed:
             self._mark_changed()
+        return len(marked)
 
     async def _sweep_slots(self) -> None:
         """Read every watched slot at least every ``SLOT_SWEEP`` seconds.
 
         A store arm of a released timer, or one earlier than the deadline the
         heap holds, comes to light here, ``STORE_ARM_LEAD`` ahead of its deadline
-        at the latest. ``_SWEEP_PIDS`` processes at a time, so a node full of
-        them never holds the loop.
+        at the latest. About ``_SWEEP_CHUNK`` entries and slots at a time, so a
+        node full of them (or a flood of releases) never holds the loop.
         """
         while True:
             if not self._pages:
                 self._watching = anyio.Event()
                 await self._watching.wait()
             await anyio.sleep(SLOT_SWEEP)
-            pids = list(self._pages)
-            for start in range(0, len(pids), _SWEEP_PIDS):
-                self._follow_pids(
-                    [pid for pid in pids[start : start + _SWEEP_PIDS] if pid in self._pages]
-                )
-                await anyio.lowlevel.checkpoint()
+            work = 0
+            for pid in list(self._pages):
+                for page in list(self._pages.get(pid, ())):
+                    if page in self._pages.get(pid, ()):  # not closed meanwhile
+                        work += self._read_page(pid, page, HELD_RING)
+                    if work >= _SWEEP_CHUNK:
+                        await anyio.lowlevel.checkpoint()
+                        work = 0
+                work += self._follow_marks(pid)
+                if work >= _SWEEP_CHUNK:
+                    await anyio.lowlevel.checkpoint()
+                    work = 0
 
     def watch_page(self, pid: int, page: SlotPage) -> None:
         """Read ``page`` (a connection's release slots) until :meth:`close_page`."""
@@ -506,16 +526,21 @@ class TimerService:
         if not marked:
             del self._marked[pid]
 
-    def _read_held(self, pid: int) -> None:
-        """Take in how long ``pid`` held what it released through its slots since the last read."""
-        pages = self._pages.get(pid)
-        if pages is not None:
-            for page in pages:
-                lost = page.lost
-                spans = page.held()
-                self.stats.held_lost += page.lost - lost
-                if spans:
-                    self._record_held(pid, spans)
+    def _read_held(self, pid: int, limit: int | None = None) -> int:
+        """Take in how long ``pid`` held what it released through its slots since the
+        last read (at most ``limit`` entries; None: all); how many entries it read."""
+        read = 0
+        for page in self._pages.get(pid, ()):
+            read += self._read_page(pid, page, HELD_RING if limit is None else limit - read)
+        return read
+
+    def _read_page(self, pid: int, page: SlotPage, limit: int) -> int:
+        lost = page.lost
+        spans = page.held(limit)
+        self.stats.held_lost += page.lost - lost
+        if spans:
+            self._record_held(pid, spans)
+        return len(spans) + page.lost - lost
 
     def _record_held(self, pid: int, spans: Iterable[tuple[str, float, float]]) -> None:
         """What ``pid`` held and released through its slots: ``(scope, armed, released)``,
