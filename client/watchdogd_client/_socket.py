@@ -612,8 +612,7 @@ class SocketTimerClient(TimerClient):
 
     def _map_slots(self, fd: int, count: int) -> None:
         """Map the release slots the daemon handed over (``fd`` is closed either way)."""
-        ring = count * _SLOT_FLOATS
-        size = 8 * (ring + 3 * layout.HELD_RING)
+        size = layout.page_bytes(count)
         try:
             if os.fstat(fd).st_size < size:
                 return  # not the layout this client knows: arms and releases go as frames
@@ -624,7 +623,7 @@ class SocketTimerClient(TimerClient):
             os.close(fd)
         self._slots = memoryview(mapping).cast("d")
         self._slot_count = count
-        self._held_ring, self._held_count = ring, 0
+        self._held_ring, self._held_count = layout.ring_start(count), 0
 
     def _write_held(self) -> None:
         """Append the releases not yet written to the page's held ring (see ``slot_layout``)."""
@@ -636,7 +635,7 @@ class SocketTimerClient(TimerClient):
             # rest as lost, from the count.
             skipped = max(0, len(unwritten) - layout.HELD_RING)
             for n, (slot, armed, released) in enumerate(unwritten[skipped:], count + skipped):
-                at = ring + 3 * (n % layout.HELD_RING)
+                at = ring + layout.HELD_ENTRY_FLOATS * (n % layout.HELD_RING)
                 slots[at] = slot
                 slots[at + 1] = armed
                 slots[at + 2] = released

@@ -50,6 +50,7 @@ from __future__ import annotations
 from typing import Final
 
 __all__ = [
+    "HELD_ENTRY_FLOATS",
     "HELD_RING",
     "PAGE_CLOSED",
     "PAGE_HELD",
@@ -61,6 +62,8 @@ __all__ = [
     "SLOT_RELEASED",
     "SLOT_SWEEP",
     "STORE_ARM_LEAD",
+    "page_bytes",
+    "ring_start",
 ]
 
 RELEASE_SLOT_FLOATS: Final = 4
@@ -73,7 +76,20 @@ PAGE_HELD: Final = 1
 PAGE_HELD_WRITING: Final = 2
 HELD_RING: Final = 1024
 """Entries in the held ring: the releases a page can take between two sweeps."""
+HELD_ENTRY_FLOATS: Final = 3
+"""A held-ring entry: ``(slot, armed at, released at)``; entry ``n`` is at
+``ring_start(slots) + HELD_ENTRY_FLOATS * (n % HELD_RING)``."""
 STORE_ARM_LEAD: Final = 1.0
 """Seconds ahead a store arm's deadline must be (four sweeps)."""
 SLOT_SWEEP: Final = 0.25
 """The longest the daemon goes between two reads of a slot it watches."""
+
+
+def ring_start(slots: int) -> int:
+    """Where the held ring starts, in floats, on a page of ``slots`` slots."""
+    return slots * RELEASE_SLOT_FLOATS
+
+
+def page_bytes(slots: int) -> int:
+    """The size of a page of ``slots`` slots and its held ring."""
+    return 8 * (ring_start(slots) + HELD_ENTRY_FLOATS * HELD_RING)

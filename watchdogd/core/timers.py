@@ -37,6 +37,7 @@ from typing import Literal
 import msgspec
 
 from watchdogd_client.slot_layout import (
+    HELD_ENTRY_FLOATS,
     HELD_RING,
     PAGE_HELD,
     PAGE_HELD_WRITING,
@@ -45,6 +46,7 @@ from watchdogd_client.slot_layout import (
     SLOT_ARMED,
     SLOT_DEADLINE,
     SLOT_RELEASED,
+    ring_start,
 )
 
 __all__ = ["ReleaseMark", "SlotPage", "Source", "Timer", "TimerTable"]
@@ -62,7 +64,7 @@ class SlotPage:
 
     def __init__(self, floats: memoryview[float], slots: int) -> None:
         self.floats = floats
-        self.ring = slots * RELEASE_SLOT_FLOATS
+        self.ring = ring_start(slots)
         """Where the held ring starts."""
         self.scopes: dict[int, str] = {}
         """Slot -> the scope it is for (named by the first ``Acquire`` with it)."""
@@ -89,7 +91,7 @@ class SlotPage:
         end = min(int(written), start + limit)
         raw = []
         for n in range(start, end):
-            at = self.ring + 3 * (n % HELD_RING)
+            at = self.ring + HELD_ENTRY_FLOATS * (n % HELD_RING)
             raw.append((n, floats[at], floats[at + 1], floats[at + 2]))
         # What the owner was writing meanwhile may have overwritten the oldest of them.
         after = floats[PAGE_HELD_WRITING]

@@ -14,13 +14,13 @@ import fcntl
 import mmap
 import os
 
-from watchdogd_client.slot_layout import HELD_RING, RELEASE_SLOT_FLOATS
+from watchdogd_client.slot_layout import page_bytes
 
 __all__ = ["SLOTS", "create_release_slots"]
 
 SLOTS = 256
 """Slots per connection, the header's included."""
-_SIZE = 8 * (SLOTS * RELEASE_SLOT_FLOATS + 3 * HELD_RING)  # 32 KiB, the held ring's 24
+_SIZE = page_bytes(SLOTS)  # 32 KiB, the held ring's 24
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 

@@ -168,7 +168,7 @@ class TimerService:
         self._pages: dict[int, list[SlotPage]] = {}
         self._wake = anyio.Event()
         self._watching = anyio.Event()
-        """Set when a timer gets a slot (the sweep waits for one)."""
+        """Set when a page is watched (the sweep waits for one)."""
         self._dirty = False
         self._changed = anyio.Event()
         self._load_wanted = anyio.Event()
@@ -394,7 +394,6 @@ class TimerService:
                 old.accept(0.0)  # another connection's slot: its store arms would go unread
         marked[scope_id] = timer
         release.accept(release.arm)
-        self._watching.set()
 
     def _unwatch_slot(self, pid: int, scope_id: str) -> None:
         """``(pid, scope_id)`` was armed without its slot (a learned deadline, another
@@ -506,7 +505,7 @@ class TimerService:
         pages = self._pages.get(pid)
         if pages is None or page not in pages:
             return  # the process exited first
-        self._read_held(pid)
+        self._read_page(pid, page, HELD_RING)
         pages.remove(page)
         if not pages:
             del self._pages[pid]
@@ -788,19 +787,17 @@ class TimerService:
         self._mark_changed()
         processes = self.processes
         done = []
+        due: list[tuple[Timer, float]] = []
         while popped := self.table.pop_expired(now):
-            expired = []
-            for timer in popped:
-                handle = processes.get(timer.pid)
-                uid = -1 if handle is None else handle.uid
-                if timer.pid in self._pages:
-                    self._read_held(timer.pid)  # its timeline up to the expiry
-                if timer.release is not None and self._follow(timer, now) != "held":
-                    continue  # not due after all: released, or armed again since
-                self.timeline.record((timer, now, "expired", uid))
-                expired.append(timer)
+            # Not due after all: released, or armed again since.
+            expired = [t for t in popped if t.release is None or self._follow(t, now) == "held"]
             done += self.reaper.expire(expired)
+            due += [(timer, now) for timer in expired]
             now = time.monotonic()
+        for timer, at in due:  # after every signal: reading held rings delays no kill
+            self._read_held(timer.pid)  # its releases come before its expiry on the timeline
+            handle = processes.get(timer.pid)
+            self.timeline.record((timer, at, "expired", -1 if handle is None else handle.uid))
         self.reaper.record(done)
 
     # -- persistence's port -----------------------------------------------------------
