@@ -250,34 +250,15 @@ class WriterResult:
     finished: float  # after the last request (and, for our socket, its sync)
 
 
-def _use_up_release_slots(client: wd.SocketTimerClient) -> None:
-    """Give every release slot of ``client``'s connection a scope of its own, so that
-    the next scope's arms and releases are requests (a slot's are none: the client
-    section times them)."""
-    client.sync()  # connects: the welcome says how many
-    assert client.welcome is not None
-    for i in range(client.welcome.slot_page):  # slot 0, the header, is none
-        client.acquire(f"slot-{i}", time.time() + 60)
-        client.release(f"slot-{i}")
-
-
 def write_requests(
-    impl: Impl,
-    endpoint: str,
-    duration_s: float,
-    ready: multiprocessing.synchronize.Barrier,
-    start: multiprocessing.synchronize.Barrier,
+    impl: Impl, endpoint: str, duration_s: float, start: multiprocessing.synchronize.Barrier
 ) -> WriterResult:
-    """acquire/release pairs on one scope, as fast as possible, for ``duration_s``
-    (``ready`` once set up, then from ``start``)."""
+    """acquire/release pairs on one scope, as fast as possible, for ``duration_s``."""
     client = _client(impl, endpoint, signal.SIGKILL)
-    if isinstance(client, wd.SocketTimerClient):
-        _use_up_release_slots(client)
     _finish(client)  # our socket client connects (hello) before the clock starts
     acquire, release = client.acquire, client.release
     errors: Counter[str] = Counter()
     sent = 0
-    ready.wait()
     start.wait()
     started = time.monotonic()
     stop_at = started + duration_s

@@ -425,16 +425,15 @@ def measure_throughput(
     for impl in IMPLS:
         log(f"throughput: {LABELS[impl]}, {plan.writers} writers for {plan.throughput_s:.0f}s")
         count = counters[impl]
-        ready, barrier = CTX.Barrier(plan.writers + 1), CTX.Barrier(plan.writers + 1)
+        before = count()
+        barrier = CTX.Barrier(plan.writers + 1)
         with contextlib.ExitStack() as stack:
             writers = [
                 stack.enter_context(
-                    Child(write_requests, impl, endpoints[impl], plan.throughput_s, ready, barrier)
+                    Child(write_requests, impl, endpoints[impl], plan.throughput_s, barrier)
                 )
                 for _ in range(plan.writers)
             ]
-            ready.wait(timeout=120)
-            before = count()  # after the writers' set-up requests
             barrier.wait(timeout=120)
             reports: list[WriterResult] = [
                 w.result(timeout=plan.throughput_s + 120) for w in writers

@@ -409,7 +409,6 @@ class Daemon:
             signalled=stats.signalled,
             refused=stats.refused,
             bad_input=stats.bad_input,
-            held_lost=stats.held_lost,
             connections_refused=dict(stats.connections_refused),
             suppressed=dict(stats.suppressed),
             gpus=gpus,

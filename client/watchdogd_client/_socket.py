@@ -1,31 +1,11 @@
 """The socket client: pipelined timer requests and blocking queries.
 
-A request (an ``acquire`` that goes as a frame, say) is sent and not waited
-for: the daemon answers it only when it fails, and a failure is raised by
-the first call made a millisecond or more after it arrived (after that
-call's own request was sent, so a release is never held back by an older
-error). :meth:`SocketTimerClient.sync` waits
-until the daemon has processed everything sent so far.
-
-``acquire`` and ``release`` usually send nothing at all. The daemon hands
-each connection a page of release slots (shared memory, laid out in
-:mod:`~watchdogd_client.slot_layout`); the first 255 scopes a connection
-arms get one each. A scope's first arm goes as a frame (so does any arm
-less than :data:`~watchdogd_client.slot_layout.STORE_ARM_LEAD` ahead);
-once the daemon has written that it accepted it, later arms are three
-stores into the slot, which the daemon reads at least every
-:data:`~watchdogd_client.slot_layout.SLOT_SWEEP` seconds and whenever a
-deadline comes. A release writes the arm count into the slot; how long the
-timer was held goes into the page's held ring (the scope's statistics come
-from there) at the next look for replies, before a query, at close and at
-exit. Other timers (learned ones, another process's, scopes beyond
-the slots, a daemon that offers none) go as frames, as does every timer
-once the daemon has marked the page closed (it is going away: the frame
-finds that out and reconnects). A daemon that crashed cannot mark its page:
-the look for answers sees the socket closed and reconnects at once. After a
-reconnect the client sends a release for every scope it released through
-the old page, so a daemon that restored it from a snapshot lets go of it
-too.
+``acquire``/``release`` write one frame and return: the daemon answers them
+only when they fail, and a failure is raised by the first call made a
+millisecond or more after it arrived (after that call's own request was
+sent, so a release is never held back by an older error).
+:meth:`SocketTimerClient.sync` waits until the daemon has processed
+everything sent so far.
 
 The client remembers the scopes it holds. When the daemon goes away (it was
 restarted, or upgraded), the next call reconnects and re-arms them before
@@ -43,11 +23,9 @@ for clients that write no marker.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import faulthandler
 import math
-import mmap
 import os
 import select
 import signal as _signal
@@ -63,7 +41,6 @@ import msgspec
 
 from . import _faults
 from . import protocol as p
-from . import slot_layout as layout
 from ._errors import DaemonUnavailableError, ProtocolError, RequestError
 from ._paths import default_socket_path
 from ._timer_client import TimerClient
@@ -75,10 +52,9 @@ __all__ = ["SocketTimerClient"]
 _R = TypeVar("_R", bound=p.Reply)
 
 _encoder = msgspec.msgpack.Encoder()
-_encode = _encoder.encode
 _reply_decoder = msgspec.msgpack.Decoder(p.Reply)
-# How often acquire/release look for error replies (see _raise_pending), in seconds.
-_PENDING_CHECK = 0.001
+# How often acquire/release look for error replies (see _raise_pending).
+_PENDING_CHECK_NS = 1_000_000
 # The frames of acquire and release for the scopes in use, so that the hot
 # path encodes nothing but the deadline (a third of the cost of encoding the
 # Struct and framing it). Still msgspec's bytes, never msgpack written by
@@ -86,21 +62,12 @@ _PENDING_CHECK = 0.001
 # of that float, is joined around msgspec's encoding of the real one. Bounded:
 # a program that names a scope per step refills it instead of growing it.
 _FRAME_CACHE_SIZE = 1024
+_acquire_frames: dict[tuple[str, int], tuple[bytes, bytes] | None] = {}
+"""(scope, signal) -> the frame before and after the deadline (None: cannot be cut)."""
 _release_frames: dict[str, bytes] = {}
 # A positive float: msgspec writes it as 0xcb then a byte below 0x80, and no
 # UTF-8 text has 0xcb before such a byte, so no scope name can contain it.
 _PLACEHOLDER = 1.5
-_SLOT_FLOATS = layout.RELEASE_SLOT_FLOATS
-_RELEASED, _ARMED, _DEADLINE, _ACCEPTED = (
-    layout.SLOT_RELEASED,
-    layout.SLOT_ARMED,
-    layout.SLOT_DEADLINE,
-    layout.SLOT_ACCEPTED,
-)
-_CLOSED, _HELD = layout.PAGE_CLOSED, layout.PAGE_HELD
-_LEAD = layout.STORE_ARM_LEAD
-_INF = math.inf
-_IN_FLIGHT = math.nan
 _live_clients: weakref.WeakSet[SocketTimerClient] = weakref.WeakSet()
 # stack signal -> the faulthandler file its dump marker goes to (the last one registered).
 _marker_fds: dict[int, int] = {}
@@ -133,9 +100,9 @@ def _cache(cache: dict[_K, _V], key: _K, value: _V) -> _V:
     return value
 
 
-def _acquire_parts(scope_id: str, signal: int, slot: int) -> tuple[bytes, bytes] | None:
+def _acquire_parts(scope_id: str, signal: int) -> tuple[bytes, bytes] | None:
     """The framed ``Acquire`` of ``scope_id`` cut around its deadline, if it can be."""
-    data = frame(_encoder.encode(p.Acquire(scope_id, _PLACEHOLDER, signal, release_slot=slot)))
+    data = frame(_encoder.encode(p.Acquire(scope_id, _PLACEHOLDER, signal)))
     placeholder = _encoder.encode(_PLACEHOLDER)
     if data.count(placeholder) != 1:
         return None
@@ -143,40 +110,20 @@ def _acquire_parts(scope_id: str, signal: int, slot: int) -> tuple[bytes, bytes]
     return head, tail
 
 
-class _AcquireFrame:
-    """A scope's framed ``Acquire`` on one connection, made by joining cached bytes.
+def _acquire_frame(scope_id: str, expiration_time: float, signal: int) -> bytes:
+    """``frame(encode(Acquire(scope_id, expiration_time, signal)))``, from the cache.
 
-    msgspec writes every float in 9 bytes (float64), so the frame's length is
-    the placeholder's and only the deadline's bytes differ.
+    msgspec writes every float in 9 bytes (float64), so the frame's length
+    is the placeholder's and only the deadline's bytes differ.
     """
-
-    __slots__ = ("base", "first", "parts", "scope_id", "signal", "slot")
-
-    def __init__(self, scope_id: str, signal: int, slot: int) -> None:
-        self.scope_id = scope_id
-        self.signal = signal
-        self.slot = slot
-        self.base = slot * _SLOT_FLOATS
-        """Where the slot starts in the page's floats."""
-        self.parts = _acquire_parts(scope_id, signal, slot)
-        self.first = 0.0
-        """The slot's count of the first arm sent with this frame (0: none yet): store
-        arms wait until the daemon accepted it."""
-
-    def __call__(self, expiration_time: float) -> bytes:
-        """``frame(encode(Acquire(...)))`` for this deadline."""
-        parts = self.parts
-        if parts is None:
-            acquire = p.Acquire(self.scope_id, expiration_time, self.signal, release_slot=self.slot)
-            return frame(_encoder.encode(acquire))
-        return parts[0] + _encode(expiration_time) + parts[1]
-
-
-def _release_frame(scope_id: str) -> bytes:
-    data = _release_frames.get(scope_id)
-    if data is None:
-        data = _cache(_release_frames, scope_id, frame(_encoder.encode(p.Release(scope_id))))
-    return data
+    key = (scope_id, signal)
+    try:
+        parts = _acquire_frames[key]
+    except KeyError:
+        parts = _cache(_acquire_frames, key, _acquire_parts(scope_id, signal))
+    if parts is None:
+        return frame(_encoder.encode(p.Acquire(scope_id, expiration_time, signal)))
+    return parts[0] + _encoder.encode(expiration_time) + parts[1]
 
 
 class SocketTimerClient(TimerClient):
@@ -212,26 +159,10 @@ class SocketTimerClient(TimerClient):
         self._splitter = FrameSplitter(p.MAX_FRAME_SIZE)
         self._frames: deque[bytes] = deque()  # received, not yet decoded
         self._errors: list[RequestError] = []
-        self._next_check = 0.0
-        """When ``_raise_pending`` next polls for replies (``time.monotonic()``)."""
-        self._wall_offset = time.time() - time.monotonic()
-        """Wall clock minus monotonic, as of the last poll: one clock read an arm."""
-        self._held: dict[str, tuple[float, int, bool, int, float, float]] = {}
-        """Scope -> (expiration time, signal, learned, release slot, its arm count,
-        armed at): what a reconnect re-arms, and how to release it."""
-        self._slots: memoryview[float] | None = None
-        """The float64s of the connection's release slots (None: it has none)."""
-        self._slot_count = 0
-        self._slot_of: dict[str, int] = {}
-        """Scope -> its release slot on this connection."""
-        self._held_ring = 0
-        """Where the held ring starts in ``_slots``."""
-        self._held_count = 0
-        """Held-ring entries written."""
-        self._unwritten: list[tuple[int, float, float]] = []
-        """(slot, armed at, released at) of slot releases not yet in the held ring."""
-        self._acquire_frames: dict[str, _AcquireFrame] = {}
-        """Scope -> its acquire frame on this connection (with its slot and signal)."""
+        self._next_check = 0
+        """When ``_raise_pending`` next polls for replies (``time.monotonic_ns()``)."""
+        self._held: dict[str, tuple[float, int, bool]] = {}
+        """Scope -> (expiration time, signal, learned): what a reconnect re-arms."""
         self.welcome: p.Welcome | None = None
         self.stack_signal = stack_signal
         self._stack_fd = -1
@@ -242,78 +173,12 @@ class SocketTimerClient(TimerClient):
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
         """Arm ``scope_id`` for this process, expiring at ``expiration_time`` (wall clock)."""
-        make = self._acquire_frames.get(scope_id)
-        slots = self._slots  # mapped only while connected
-        if slots is not None and make is not None and make.first and make.signal == self.signal:
-            i = make.base
-            now = time.monotonic()
-            wall = now + self._wall_offset
-            if (
-                slots[i + _ACCEPTED] >= make.first
-                and not slots[_CLOSED]
-                and wall + _LEAD <= expiration_time < _INF
-            ):
-                # A store arm: the daemon reads the slot before this deadline comes.
-                arm = slots[i + _ARMED] + 1.0
-                self._held[scope_id] = (expiration_time, self.signal, False, make.slot, arm, wall)
-                slots[i + _DEADLINE] = expiration_time
-                slots[i + _ARMED] = arm  # last: the daemon reads this first
-                if self._errors or now >= self._next_check:
-                    self._raise_pending()
-                return
-        self._acquire_with_frame(scope_id, float(expiration_time))
-
-    def _acquire_with_frame(self, scope_id: str, expiration_time: float) -> None:
         if expiration_time < 0:
             self.release(scope_id)
             return
-        sock = self._sock or self._connect()  # the slots are the connection's
-        make = self._acquire_frames.get(scope_id)
-        if make is None or make.signal != self.signal:
-            make = self._acquire_frame_of(scope_id)
-        slot = make.slot
-        now = time.monotonic()
-        held = self._held
-        previous = held.get(scope_id)
-        slots = self._slots
-        if slot > 0 and slots is not None:
-            i = make.base
-            arm = slots[i + _ARMED] + 1.0
-            held[scope_id] = (
-                expiration_time,
-                self.signal,
-                False,
-                slot,
-                arm,
-                now + self._wall_offset,
-            )
-            slots[i + _DEADLINE] = _IN_FLIGHT  # this arm's deadline is in its frame
-            slots[i + _ARMED] = arm
-            if not make.first:
-                make.first = arm
-        else:
-            held[scope_id] = (expiration_time, self.signal, False, slot, 0.0, 0.0)
-        data = make(expiration_time)
-        try:
-            # The usual case inline (the kernel has room); else _send_frame, which waits
-            # or reconnects, re-arming this acquire from ``_held``.
-            try:
-                sent = sock.send(data)
-            except OSError:
-                sent = 0
-            if sent == len(data):
-                self._next_seq += 1
-            else:
-                self._send_frame(memoryview(data)[sent:] if sent else data, rearmed=True)
-        except BaseException:
-            # Not armed: a later reconnect must not re-arm it.
-            if previous is None:
-                held.pop(scope_id, None)
-            else:
-                held[scope_id] = previous
-            raise
-        if self._errors or now >= self._next_check:
-            self._raise_pending()
+        self._send_frame(_acquire_frame(scope_id, float(expiration_time), self.signal))
+        self._held[scope_id] = (expiration_time, self.signal, False)
+        self._raise_pending()
 
     def acquire_learned(self, scope_id: str, initial: float | None) -> None:
         """Arm ``scope_id`` with the deadline the daemon learned for it (``LEARN``).
@@ -323,26 +188,19 @@ class SocketTimerClient(TimerClient):
         """
         expiration_time = math.inf if initial is None else time.time() + initial
         self._send(p.Acquire(scope_id, expiration_time, self.signal, learn=True))
-        self._held[scope_id] = (expiration_time, self.signal, True, -1, 0.0, 0.0)
+        self._held[scope_id] = (expiration_time, self.signal, True)
         self._raise_pending()
 
     def release(self, scope_id: str) -> None:
         """Disarm ``scope_id`` for this process."""
         if _faults.active is not None:
             _faults.hang_if_injected()
-        held = self._held.pop(scope_id, None)
-        slots = self._slots
-        now = time.monotonic()
-        if held is not None and slots is not None and held[3] > 0 and not slots[_CLOSED]:
-            slot = held[3]
-            slots[slot * _SLOT_FLOATS + _RELEASED] = held[4]
-            # How long it was held, for the scope's statistics: into the held ring
-            # at the next look for replies (a list append costs a third of the stores).
-            self._unwritten.append((slot, held[5], now + self._wall_offset))
-        else:
-            self._send_frame(_release_frame(scope_id))
-        if self._errors or now >= self._next_check:
-            self._raise_pending()
+        self._held.pop(scope_id, None)
+        data = _release_frames.get(scope_id)
+        if data is None:
+            data = _cache(_release_frames, scope_id, frame(_encoder.encode(p.Release(scope_id))))
+        self._send_frame(data)
+        self._raise_pending()
 
     # -- beyond torch ----------------------------------------------------------
 
@@ -439,8 +297,6 @@ class SocketTimerClient(TimerClient):
 
     def request(self, message: p.Request, expect: type[_R]) -> _R:
         """Send ``message`` and wait for its reply, which must be an ``expect``."""
-        if self._unwritten:
-            self._write_held()  # a query's answer counts every release before it
         seq = self._send(message)
         sock = self._connected()
         while True:
@@ -457,13 +313,10 @@ class SocketTimerClient(TimerClient):
         return reply
 
     def close(self) -> None:
-        if self._unwritten:
-            self._write_held()
         if self._sock is not None:
             self._poller.unregister(self._sock)
             self._sock.close()
             self._sock = None
-        self._slots = None
 
     def __enter__(self) -> SocketTimerClient:
         return self
@@ -477,12 +330,8 @@ class SocketTimerClient(TimerClient):
         """Send one request; its seq. Errors already waiting are collected, not raised."""
         return self._send_frame(frame(_encoder.encode(message)))
 
-    def _send_frame(self, data: bytes | memoryview, rearmed: bool = False) -> int:
-        """Send one framed request; its seq.
-
-        ``rearmed``: it is an acquire already in ``_held``, so a reconnect's
-        re-arm sends it (fitted to the new connection's slots) instead.
-        """
+    def _send_frame(self, data: bytes) -> int:
+        """Send one framed request; its seq."""
         sock = self._sock or self._connect()
         try:
             self._sendall(sock, data)
@@ -493,14 +342,12 @@ class SocketTimerClient(TimerClient):
             # what we hold, then send this request.
             self.close()
             sock = self._connect()
-            if rearmed:
-                return self._next_seq - 1
             self._sendall(sock, data)
         seq = self._next_seq
         self._next_seq += 1
         return seq
 
-    def _sendall(self, sock: socket.socket, data: bytes | memoryview) -> None:
+    def _sendall(self, sock: socket.socket, data: bytes) -> None:
         """Send without waiting when the kernel has room (the usual case), else wait, bounded.
 
         The socket is non-blocking: a blocking one with a timeout costs a
@@ -527,23 +374,14 @@ class SocketTimerClient(TimerClient):
 
     def _raise_pending(self) -> None:
         # A poll() costs more than the rest of an acquire; a clock read is a
-        # tenth of one. Looking at most every _PENDING_CHECK bounds how late
+        # tenth of one. Looking at most every _PENDING_CHECK_NS bounds how late
         # an answer is seen: the first call that long after it arrived raises it.
-        # (acquire and release test the same before they call, to save the call.)
-        now = time.monotonic()
+        now = time.monotonic_ns()
         if now >= self._next_check:
-            self._next_check = now + _PENDING_CHECK
-            self._wall_offset = time.time() - now
-            if self._unwritten:
-                self._write_held()
+            self._next_check = now + _PENDING_CHECK_NS
             sock = self._sock
             if sock is not None and self._poller.poll(0):
-                try:
-                    self._read_available(sock)
-                except DaemonUnavailableError:
-                    # It went away (a restart, an upgrade, a crash that left the page
-                    # open): store arms would go unread. Re-arm what we hold now.
-                    self._connect()
+                self._read_available(sock)
         if self._errors:
             raise self._errors.pop(0)
 
@@ -583,86 +421,14 @@ class SocketTimerClient(TimerClient):
         self.welcome = welcome
         if stack_signal is not None and welcome.stack_dumps and fds:
             self._register_faulthandler(stack_signal, fds.pop(0), marker)
-        released_by_slot = [scope for scope in self._slot_of if scope not in self._held]
-        self._slot_of.clear()  # the old page's
-        self._unwritten.clear()  # its releases: the daemon that read it is gone
-        self._acquire_frames.clear()  # their slots with it
-        if welcome.slot_page and fds:
-            self._map_slots(fds.pop(0), welcome.slot_page)
         for fd in fds:
             os.close(fd)
-        # The daemon before may have died before it read those slots; the one
-        # now serving may have restored the timers from its snapshot.
-        for scope_id in released_by_slot:
-            self._sendall(sock, _release_frame(scope_id))
-            self._next_seq += 1
-        for scope_id, (expiration_time, signal, learn, _, _, armed) in self._held.items():
-            slot = -1 if learn else self._assign_slot(scope_id)
-            arm = 0.0
-            if slot > 0 and self._slots is not None:
-                i = slot * _SLOT_FLOATS
-                self._slots[i + _DEADLINE] = _IN_FLIGHT
-                self._slots[i + _ARMED] = arm = 1.0
-            self._held[scope_id] = (expiration_time, signal, learn, slot, arm, armed)
+        for scope_id, (expiration_time, signal, learn) in self._held.items():
             # A learned one is resolved again, by the daemon now serving.
-            rearm = p.Acquire(scope_id, expiration_time, signal, learn=learn, release_slot=slot)
+            rearm = p.Acquire(scope_id, expiration_time, signal, learn=learn)
             self._sendall(sock, frame(_encoder.encode(rearm)))
             self._next_seq += 1
         return sock
-
-    def _map_slots(self, fd: int, count: int) -> None:
-        """Map the release slots the daemon handed over (``fd`` is closed either way)."""
-        size = layout.page_bytes(count)
-        try:
-            if os.fstat(fd).st_size < size:
-                return  # not the layout this client knows: arms and releases go as frames
-            mapping = mmap.mmap(fd, size)
-        except (OSError, ValueError):
-            return
-        finally:
-            os.close(fd)
-        self._slots = memoryview(mapping).cast("d")
-        self._slot_count = count
-        self._held_ring, self._held_count = layout.ring_start(count), 0
-
-    def _write_held(self) -> None:
-        """Append the releases not yet written to the page's held ring (see ``slot_layout``)."""
-        unwritten, slots = self._unwritten, self._slots
-        if slots is not None and not slots[_CLOSED]:
-            count, ring = self._held_count, self._held_ring
-            slots[layout.PAGE_HELD_WRITING] = count + len(unwritten)  # first: see slot_layout
-            # Only the newest ring's worth can be there to read: the daemon counts the
-            # rest as lost, from the count.
-            skipped = max(0, len(unwritten) - layout.HELD_RING)
-            for n, (slot, armed, released) in enumerate(unwritten[skipped:], count + skipped):
-                at = ring + layout.HELD_ENTRY_FLOATS * (n % layout.HELD_RING)
-                slots[at] = slot
-                slots[at + 1] = armed
-                slots[at + 2] = released
-            self._held_count = count = count + len(unwritten)
-            slots[_HELD] = count  # last: the daemon reads this first
-        unwritten.clear()
-
-    def _acquire_frame_of(self, scope_id: str) -> _AcquireFrame:
-        """Make (and keep, bounded) ``scope_id``'s acquire frame on this connection."""
-        slot = self._slot_of.get(scope_id)
-        if slot is None:
-            slot = self._assign_slot(scope_id)
-        return _cache(self._acquire_frames, scope_id, _AcquireFrame(scope_id, self.signal, slot))
-
-    def _assign_slot(self, scope_id: str) -> int:
-        """A release slot of its own for ``scope_id``, or -1 (none left, or none at all).
-
-        Slot 0 is the page's header. A slot is never handed to another scope:
-        a timer of the old one may still be the daemon's, watching that slot.
-        """
-        if self._slots is None:
-            return -1
-        slot = len(self._slot_of) + 1
-        if slot >= self._slot_count:
-            return -1  # not kept: a program naming a scope per step must not grow it
-        self._slot_of[scope_id] = slot
-        return slot
 
     def _free_stack_signal(self) -> int | None:
         """The stack signal, if nobody else handles it (or we registered it ourselves)."""
@@ -674,7 +440,11 @@ class SocketTimerClient(TimerClient):
         return self.stack_signal
 
     def _recv_welcome(self, sock: socket.socket) -> list[int]:
-        """Read the start of the welcome, keeping any descriptor that came with it."""
+        """Read the start of the welcome, keeping any descriptors that came with it.
+
+        Up to two: the faulthandler file, and the shared-memory page an older
+        daemon (release slots) sent after it, which the caller closes unused.
+        """
         try:
             data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
         except OSError as e:
@@ -764,20 +534,8 @@ def _forget_connections_after_fork() -> None:
             client._sock.close()
             client._sock = None
             client._poller = select.poll()
-        client._slots = None  # the parent's: a child writing there would release its timers
-        client._slot_of.clear()
-        client._slot_count = 0
         client._held.clear()
-        client._unwritten.clear()
         client._errors.clear()
 
 
 os.register_at_fork(after_in_child=_forget_connections_after_fork)
-
-
-@atexit.register
-def _write_held_at_exit() -> None:
-    # The daemon reads a page after its process exited: its last releases count too.
-    for client in list(_live_clients):
-        if client._unwritten:
-            client._write_held()

@@ -178,10 +178,6 @@ class Acquire(msgspec.Struct, tag="acquire", tag_field="op"):
     signal: int = _SIGKILL
     pid: int | None = None
     learn: bool = False
-    release_slot: int = -1
-    """Index (1 or more) of the release slot (see :mod:`~watchdogd_client.slot_layout`)
-    where the client re-arms and releases this scope from now on; -1: only
-    requests do. Own timers, and deadlines the call gives, only."""
 
 
 class Release(msgspec.Struct, tag="release", tag_field="op"):
@@ -333,11 +329,6 @@ class Welcome(msgspec.Struct, tag="welcome", tag_field="op"):
     peer_uid: int
     stack_dumps: bool = False
     """A faulthandler file descriptor came with this reply."""
-    slot_page: int = 0
-    """A memfd of this many release slots came with this reply (after the
-    faulthandler file): see :mod:`watchdogd_client.slot_layout`. (Protocol 1's
-    ``release_slots``, slots of two floats, is no longer offered: a client
-    that knows only those releases with frames.)"""
 
 
 class Synced(msgspec.Struct, tag="synced", tag_field="op"):
@@ -393,8 +384,6 @@ class StatusInfo(msgspec.Struct, tag="status_info", tag_field="op", kw_only=True
     signalled: int
     refused: int
     bad_input: int
-    held_lost: int = 0
-    """Releases through slots whose time held was lost (the held ring overran)."""
     connections_refused: dict[str, int] = {}
     """Socket connections refused at accept, by the limit they met."""
     suppressed: dict[str, int] = {}

@@ -17,34 +17,33 @@ def encoded(message: p.Request) -> bytes:
     return p.frame(msgspec.msgpack.encode(message))
 
 
-def acquire(scope: str, deadline: float, signal: int, slot: int = -1) -> bytes:
-    """What the client sends, from the bytes it keeps for the scope."""
-    return _socket._AcquireFrame(scope, signal, slot)(deadline)
-
-
-def struct_encoded(scope: str, deadline: float, signal: int, slot: int = -1) -> bytes:
-    return encoded(p.Acquire(scope, deadline, signal, release_slot=slot))
-
-
 @given(
     scope=st.text(),
     deadlines=st.lists(st.floats(), min_size=1, max_size=3),
     signal=st.integers(-(2**31), 2**31 - 1),
-    slot=st.integers(-1, 255),
 )
 def test_a_cached_acquire_is_the_struct_encoded(
-    scope: str, deadlines: list[float], signal: int, slot: int
+    scope: str, deadlines: list[float], signal: int
 ) -> None:
-    make = _socket._AcquireFrame(scope, signal, slot)
-    for deadline in deadlines:  # the same cut bytes, joined around each deadline
-        assert make(deadline) == struct_encoded(scope, deadline, signal, slot)
+    for deadline in deadlines:  # the second and later come from the cache
+        assert _socket._acquire_frame(scope, deadline, signal) == encoded(
+            p.Acquire(scope, deadline, signal)
+        )
 
 
-def test_the_release_cache_stays_bounded() -> None:
-    cache: dict[str, bytes] = {}
+def test_the_cache_keys_on_scope_and_signal() -> None:
+    first = _socket._acquire_frame("step", 1.0e9, 9)
+    assert _socket._acquire_frame("step", 1.0e9, 15) == encoded(p.Acquire("step", 1.0e9, 15))
+    assert _socket._acquire_frame("stop", 1.0e9, 9) == encoded(p.Acquire("stop", 1.0e9, 9))
+    assert _socket._acquire_frame("step", 1.0e9, 9) == first
+
+
+def test_the_cache_stays_bounded() -> None:
     for i in range(3 * _socket._FRAME_CACHE_SIZE):
-        _socket._cache(cache, f"step-{i}", b"")
-    assert len(cache) <= _socket._FRAME_CACHE_SIZE
+        assert _socket._acquire_frame(f"step-{i}", 2.0e9, 9) == encoded(
+            p.Acquire(f"step-{i}", 2.0e9, 9)
+        )
+    assert len(_socket._acquire_frames) <= _socket._FRAME_CACHE_SIZE
 
 
 def test_every_float_is_nine_bytes() -> None:
@@ -58,7 +57,8 @@ def test_a_frame_that_cannot_be_cut_is_encoded_whole(monkeypatch: pytest.MonkeyP
     # scope that contains it must not be cut there.
     placeholder = struct.unpack(">d", b"\xbfaaaaaaa")[0]
     monkeypatch.setattr(_socket, "_PLACEHOLDER", placeholder)
+    monkeypatch.setattr(_socket, "_acquire_frames", {})
     scope = "\u02ffaaaaaaa"
     assert scope.encode() == msgspec.msgpack.encode(placeholder)
-    assert _socket._AcquireFrame(scope, 9, -1).parts is None
-    assert acquire(scope, 1.7e9, 9) == struct_encoded(scope, 1.7e9, 9)
+    assert _socket._acquire_frame(scope, 1.7e9, 9) == encoded(p.Acquire(scope, 1.7e9, 9))
+    assert _socket._acquire_frames[(scope, 9)] is None

@@ -137,11 +137,6 @@ class Metrics(Collector):
         for transport, count in sorted(stats.bad_inputs.items()):
             bad.add_metric([transport], count)
         yield bad
-        yield CounterMetricFamily(
-            "watchdogd_held_lost",
-            "Slot releases whose time held was lost (the held ring overran).",
-            stats.held_lost,
-        )
         refused = CounterMetricFamily(
             "watchdogd_connections_refused", "Connections refused at accept.", labels=["limit"]
         )

@@ -47,16 +47,13 @@ import msgspec
 
 from watchdogd.core.policy import Requester
 from watchdogd.core.ports import GroupControl, GroupError
-from watchdogd.core.timers import ReleaseMark, SlotPage
 from watchdogd.linux.procs import ProcessHandle
-from watchdogd.linux.release_slots import SLOTS, create_release_slots
 from watchdogd.linux.stacks import StackStore
 from watchdogd.service.eventlog import EventLog
 from watchdogd.service.stats import Stats
 from watchdogd.service.timer_service import ErrorReply, TimerService
 from watchdogd_client import protocol as p
 from watchdogd_client.framing import FrameSplitter, FrameTooLargeError, frame
-from watchdogd_client.slot_layout import PAGE_CLOSED
 
 __all__ = [
     "ADMIN_FRAMES_PER_TURN",
@@ -83,8 +80,6 @@ EXPIRY_CHECK_FRAMES = 16
 # Replies made by walking the timers, the event ring or the sketches: up to
 # milliseconds each (a full ring is ~2 ms), so each ends its connection's turn.
 _SCANS = (p.TimerList, p.EventBatch, p.Timeline, p.ScopeList, p.StragglerList)
-# Queries answered from the timers or their statistics.
-_SETTLED_FIRST = (p.ListTimers, p.GetStatus, p.GetTimeline, p.GetScopes, p.GetStragglers)
 _REQUEST_COUNTER = {kind: f"socket.{kind.__struct_config__.tag}" for kind in p.Request.__args__}
 
 
@@ -119,10 +114,10 @@ class Peer:
 
 
 class SendFd(NamedTuple):
-    """Send this encoded reply with ``fds`` attached (``SCM_RIGHTS``), then close them."""
+    """Send this encoded reply with ``fd`` attached (``SCM_RIGHTS``), then close ``fd``."""
 
     data: bytes
-    fds: list[int]
+    fd: int
 
 
 class Follow(NamedTuple):
@@ -158,8 +153,6 @@ class Session:
         self.peer = peer
         self.seq = 0
         self.greeted = False
-        self.page: SlotPage | None = None
-        """The connection's release slots, once the welcome offered them."""
         self._splitter = FrameSplitter(ports.timers.limits.max_frame)
 
     def feed(self, data: bytes) -> Iterator[Outgoing]:
@@ -227,29 +220,18 @@ class Session:
         self.greeted = True
         peer = self.peer
         welcome = p.Welcome(seq, p.PROTOCOL_VERSION, os.getpid(), peer.pid, peer.uid)
-        fds = []
-        fd = None
-        if request.stack_signal is not None:
-            try:
-                fd = self.ports.timers.register_stack_dumps(
-                    peer.pid, request.stack_signal, request.dump_marker
-                )
-            except OSError as e:
-                log.error("cannot open a stack dump file for pid %d: %s", peer.pid, e.strerror)
-        if fd is not None:
-            fds.append(fd)
-            welcome.stack_dumps = True
-        if self.ports.timers.lazy_release_for(peer.pid):
-            try:
-                fd, floats = create_release_slots()
-            except OSError as e:
-                log.error("cannot make release slots for pid %d: %s", peer.pid, e.strerror)
-            else:
-                fds.append(fd)
-                welcome.slot_page = SLOTS
-                self.page = SlotPage(floats, SLOTS)
-                self.ports.timers.watch_page(peer.pid, self.page)
-        return SendFd(encode(welcome), fds) if fds else welcome
+        if request.stack_signal is None:
+            return welcome
+        try:
+            fd = self.ports.timers.register_stack_dumps(
+                peer.pid, request.stack_signal, request.dump_marker
+            )
+        except OSError as e:
+            log.error("cannot open a stack dump file for pid %d: %s", peer.pid, e.strerror)
+            fd = None
+        if fd is None:
+            return welcome
+        return SendFd(encode(msgspec.structs.replace(welcome, stack_dumps=True)), fd)
 
     def _dispatch(self, seq: int, request: p.Request) -> p.Reply | Follow | SendFd | OffLoop | None:
         if not self.greeted:
@@ -259,27 +241,13 @@ class Session:
         timers = ports.timers
         error: ErrorReply | None
         target = peer.pid
-        if isinstance(request, _SETTLED_FIRST):
-            # What a client released through its slots must not show in the answer.
-            timers.follow_slots(None if peer.admin else peer.uid)
         match request:
-            case p.Acquire(scope_id, expiration_time, signal, pid, learn, slot):
+            case p.Acquire(scope_id, expiration_time, signal, pid, learn):
                 target = peer.pid if pid is None else pid
                 pinned = peer.handle if pid is None else None
-                release = None if slot < 0 else self._release_mark(slot, scope_id, pid, learn)
-                if isinstance(release, str):
-                    error = "bad_request", release
-                else:
-                    error = timers.arm(
-                        peer.requester,
-                        target,
-                        scope_id,
-                        expiration_time,
-                        signal,
-                        pinned,
-                        learn,
-                        release,
-                    )
+                error = timers.arm(
+                    peer.requester, target, scope_id, expiration_time, signal, pinned, learn
+                )
             case p.Release(scope_id, pid):
                 target = peer.pid if pid is None else pid
                 error = timers.release(peer.requester, target, scope_id)
@@ -325,36 +293,6 @@ class Session:
             return None
         timers.refused("socket", target, getattr(request, "scope_id", ""), error, peer.uid)
         return p.Error(seq, *error)
-
-    def _release_mark(
-        self, slot: int, scope_id: str, pid: int | None, learn: bool
-    ) -> ReleaseMark | str:
-        """The mark of an acquire's release slot, or why it has none."""
-        page = self.page
-        if page is None:
-            return "release_slot: this connection has no release slots"
-        if pid is not None:
-            return "release_slot: only for the caller's own timers (no pid)"
-        if learn:
-            return "release_slot: not for a learned deadline (the daemon chooses it)"
-        if not 0 < slot < SLOTS:
-            return f"release_slot: {slot} is not in 1..{SLOTS - 1}"
-        if page.scopes.setdefault(slot, scope_id) != scope_id:
-            return f"release_slot: {slot} is {page.scopes[slot]!r}'s on this connection"
-        return page.mark(slot)
-
-    def close(self) -> None:
-        """The connection ended: the page is read no more, its timers keep no mark.
-
-        What the slots say by now is taken in; the client learns from the header
-        that later arms and releases must be frames (to a daemon it reconnects to).
-        """
-        page = self.page
-        if page is None:
-            return
-        page.floats[PAGE_CLOSED] = 1.0
-        self.ports.timers.close_page(self.peer.pid, page)
-        self.page = None
 
     def _read_dump(self, seq: int, dump_id: str) -> p.Reply:
         found = self.ports.stacks.read(dump_id)

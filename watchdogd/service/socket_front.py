@@ -131,12 +131,10 @@ class SocketFront:
             peer = Peer(pid, uid, admin, _pin_peer(raw, pid))
             stats.connections += 1
             per_uid[uid] += 1
-            session = Session(self.ports, peer)
             try:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await self._converse(stream, session)
+                    await self._converse(stream, Session(self.ports, peer))
             finally:
-                session.close()
                 stats.connections -= 1
                 per_uid[uid] -= 1
                 if not per_uid[uid]:
@@ -182,9 +180,9 @@ class SocketFront:
                         pending += len(outgoing)
                         if pending >= limit:
                             await flush()
-                    case SendFd(reply, fds):
+                    case SendFd(reply, fd):
                         await flush()
-                        await self._send_with_fds(stream, reply, fds)
+                        await self._send_with_fd(stream, reply, fd)
                     case OffLoop(seq, work):
                         await flush()
                         await stream.send(await self._off_loop(seq, work))
@@ -243,12 +241,11 @@ class SocketFront:
         scope.cancel()
 
     @staticmethod
-    async def _send_with_fds(stream: anyio.abc.SocketStream, reply: bytes, fds: list[int]) -> None:
+    async def _send_with_fd(stream: anyio.abc.SocketStream, reply: bytes, fd: int) -> None:
         try:
             if isinstance(stream, anyio.abc.UNIXSocketStream):
-                await stream.send_fds(reply, fds)
+                await stream.send_fds(reply, [fd])
             else:
                 await stream.send(reply)
         finally:
-            for fd in fds:
-                os.close(fd)
+            os.close(fd)

@@ -23,7 +23,6 @@ class Stats:
         "dropped",
         "escalated",
         "expired",
-        "held_lost",
         "refusals",
         "refused",
         "requests",
@@ -41,8 +40,6 @@ class Stats:
         """SIGKILLs sent after ``kill_grace``."""
         self.dropped = 0
         """Timers dropped because their process exited (or was gone at expiry or restore)."""
-        self.held_lost = 0
-        """Releases through slots whose held-ring entry was overwritten before it was read."""
         self.refused = 0
         self.bad_input = 0
         self.connections = 0

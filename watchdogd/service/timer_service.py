@@ -41,7 +41,7 @@ from watchdogd.core.learned import LearnedDeadlines, LearnKey
 from watchdogd.core.policy import Policy, Requester, Target, check, check_pid, valid_signals
 from watchdogd.core.ports import EventSink, Supervision
 from watchdogd.core.scope_stats import ScopeKey, ScopeStats
-from watchdogd.core.timers import ReleaseMark, SlotPage, Timer, TimerTable
+from watchdogd.core.timers import Timer, TimerTable
 from watchdogd.linux import aio
 from watchdogd.linux.priority import set_loop_urgent
 from watchdogd.linux.procs import ProcessHandle, ancestors, open_process
@@ -54,7 +54,6 @@ from watchdogd.service.throttle import NoisyEvents
 from watchdogd.service.timeline import Timeline
 from watchdogd_client import protocol as p
 from watchdogd_client.groups import DeadlineRule
-from watchdogd_client.slot_layout import HELD_RING, SLOT_SWEEP
 
 __all__ = ["IDLE_SCOPE", "ErrorReply", "TimerOperations", "TimerService"]
 
@@ -68,10 +67,6 @@ _TIMER_SLACK = 0.0015
 _URGENT_AHEAD = 0.05
 # How often a raised loop looks whether the captures that keep it raised are done.
 _CAPTURE_RECHECK = 0.005
-# Held-ring entries and slots a sweep reads between two turns of the loop.
-_SWEEP_CHUNK = 512
-# Held-ring entries a query reads before it answers (the sweep reads the rest).
-_QUERY_HELD = 2048
 
 ErrorReply = tuple[p.ErrorCode, str]
 
@@ -162,13 +157,7 @@ class TimerService:
         self._policy = build_policy(config)
         # pid -> (via, uid, admin, signal) the policy allowed, until the process exits.
         self._approved: dict[int, set[tuple[str, int, bool, int]]] = {}
-        # pid -> scope -> its timer armed with a release slot (out of the table once released).
-        self._marked: dict[int, dict[str, Timer]] = {}
-        # pid -> the release slots of its connections that have them.
-        self._pages: dict[int, list[SlotPage]] = {}
         self._wake = anyio.Event()
-        self._watching = anyio.Event()
-        """Set when a page is watched (the sweep waits for one)."""
         self._dirty = False
         self._changed = anyio.Event()
         self._load_wanted = anyio.Event()
@@ -206,40 +195,17 @@ class TimerService:
         signal: int,
         pinned: ProcessHandle | None = None,
         learn: bool = False,
-        release: ReleaseMark | None = None,
     ) -> ErrorReply | None:
         """Arm ``(pid, scope_id)``; an error code and message when refused.
 
         ``pinned``: the process ``pid`` must be (a socket peer, by its pidfd).
         ``learn``: the deadline is learned (:mod:`watchdogd.core.learned`);
         ``expiration_time`` is the call's initial one, ``inf`` for none.
-        ``release``: where the owner can re-arm and release the timer without a request.
         """
-        error = self._arm(requester, pid, scope_id, expiration_time, signal, pinned, learn, release)
-        if error is not None and release is not None:
-            # The timer before it stands, at its own deadline (its slot still watched);
-            # the client arms with requests until one is accepted again.
-            release.accept(0.0)
-        return error
-
-    def _arm(
-        self,
-        requester: Requester,
-        pid: int,
-        scope_id: str,
-        expiration_time: float,
-        signal: int,
-        pinned: ProcessHandle | None,
-        learn: bool,
-        release: ReleaseMark | None,
-    ) -> ErrorReply | None:
         if expiration_time < 0 and math.isfinite(expiration_time):
             return self.release(requester, pid, scope_id)
         checked = 0.0 if learn and expiration_time == math.inf else expiration_time
         rejection = admit(self.limits, self.table, pid, scope_id, checked)
-        if rejection is not None and pid in self._marked:
-            self._follow_pids([pid])  # timers its slots released still count until looked at
-            rejection = admit(self.limits, self.table, pid, scope_id, checked)
         if rejection is not None:
             return rejection
         handle = self.processes.get(pid)
@@ -272,26 +238,11 @@ class TimerService:
             return refusal
         if new_handle:
             self.watch_process(handle)
-        if release is not None:
-            # The latest arm written there is the timer: this one, or a store arm the
-            # client made since it sent this one (released already: watched, and gone
-            # from the table at the next look).
-            latest = release.latest()
-            if latest is None:
-                release.arm = release.armed()
-            else:
-                release.arm, written = latest
-                if math.isfinite(written):
-                    release.written = expiration_time = written
         now = time.monotonic()
         deadline = now + (expiration_time - time.time())
         source: Literal["fifo", "socket"] = requester.via
-        if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid, now, release):
+        if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid, now):
             self._wake.set()
-        if release is not None:
-            self._watch_slot(pid, scope_id, release)
-        elif pid in self._marked:
-            self._unwatch_slot(pid, scope_id)
         if scope_id != IDLE_SCOPE:
             self.table.release(pid, IDLE_SCOPE)  # it holds a timer: not idle
         self._mark_changed()
@@ -359,15 +310,6 @@ class TimerService:
         self._mark_changed()
         return None
 
-    def lazy_release_for(self, pid: int) -> bool:
-        """Whether ``pid``'s connections get release slots (a release without a request).
-
-        Not for a worker with an idle timeout: the daemon must see at once
-        that it holds no timer.
-        """
-        worker = self.supervision.worker(pid)
-        return worker is None or worker.idle_timeout is None
-
     def _arm_idle(self, pid: int, now: float, uid: int) -> None:
         """A worker with an idle timeout that holds no timer now gets the ``(idle)`` one.
 
@@ -381,177 +323,6 @@ class TimerService:
             pid, IDLE_SCOPE, now + idle, SIGKILL, uid=uid, armed=now
         ):
             self._wake.set()
-
-    def _watch_slot(self, pid: int, scope_id: str, release: ReleaseMark) -> None:
-        """Follow ``(pid, scope_id)`` through ``release``'s slot from now on."""
-        timer = self.table.get(pid, scope_id)
-        assert timer is not None
-        marked = self._marked.setdefault(pid, {})
-        before = marked.get(scope_id)
-        if before is not None and before.release is not None:
-            old = before.release
-            if not old.same_slot(release):
-                old.accept(0.0)  # another connection's slot: its store arms would go unread
-        marked[scope_id] = timer
-        release.accept(release.arm)
-
-    def _unwatch_slot(self, pid: int, scope_id: str) -> None:
-        """``(pid, scope_id)`` was armed without its slot (a learned deadline, another
-        process's request): the slot no longer says what the timer is."""
-        marked = self._marked[pid]
-        before = marked.pop(scope_id, None)
-        if before is not None and before.release is not None:
-            before.release.accept(0.0)  # its owner's next arm goes as a request
-        if not marked:
-            del self._marked[pid]
-
-    def _follow(self, timer: Timer, now: float) -> Literal["held", "released", "moved"]:
-        """Bring a timer armed with a slot up to what its owner wrote there since.
-
-        Released: out of the table (its slot still watched, for later store arms).
-        Moved: a later store arm is the timer now, re-armed at its deadline. Held:
-        ``timer`` stands as it is (an arm sent as a request counts when it is read).
-        """
-        mark = timer.release
-        if mark is None:
-            return "held"
-        since = mark.since()
-        pid, scope_id = timer.pid, timer.scope_id
-        if since == "released":
-            if self.table.get(pid, scope_id) is timer:
-                self.table.release(pid, scope_id)
-            return "released"
-        if since == "held":
-            return "held"
-        mark.arm, mark.written = since
-        expiration_time = mark.written
-        deadline = now + (expiration_time - time.time())
-        if self.table.arm(
-            pid, scope_id, deadline, timer.signal, timer.source, timer.uid, now, mark
-        ):
-            self._wake.set()
-        moved = self.table.get(pid, scope_id)
-        assert moved is not None
-        self._marked[pid][scope_id] = moved
-        return "moved"
-
-    def follow_slots(self, uid: int | None) -> None:
-        """Bring the timers of ``uid``'s processes (everyone's for None) up to their slots.
-
-        Before a query answers from the table or the statistics, so that what
-        a client released before its ``sync()`` is gone from its listing. It
-        walks the timers armed with slots only, not the table.
-        """
-        pids = list(self._pages) if uid is None else self._pids_of.get(uid, ())
-        budget = _QUERY_HELD
-        for pid in pids:
-            if pid in self._pages:
-                budget -= self._read_held(pid, max(0, budget))
-                self._follow_marks(pid)
-
-    def _follow_pids(self, pids: Iterable[int]) -> None:
-        for pid in pids:
-            self._read_held(pid)
-            self._follow_marks(pid)
-
-    def _follow_marks(self, pid: int) -> int:
-        """Bring ``pid``'s slot-armed timers up to their slots; how many it looked at."""
-        marked = self._marked.get(pid)
-        if marked is None:
-            return 0
-        now = time.monotonic()
-        changed = False
-        for timer in list(marked.values()):
-            live = timer.live  # a released one out of the table already changes nothing
-            outcome = self._follow(timer, now)
-            changed |= outcome == "moved" or (outcome == "released" and live)
-        if changed:
-            self._mark_changed()
-        return len(marked)
-
-    async def _sweep_slots(self) -> None:
-        """Read every watched slot at least every ``SLOT_SWEEP`` seconds.
-
-        A store arm of a released timer, or one earlier than the deadline the
-        heap holds, comes to light here, ``STORE_ARM_LEAD`` ahead of its deadline
-        at the latest. About ``_SWEEP_CHUNK`` entries and slots at a time, so a
-        node full of them (or a flood of releases) never holds the loop.
-        """
-        while True:
-            if not self._pages:
-                self._watching = anyio.Event()
-                await self._watching.wait()
-            await anyio.sleep(SLOT_SWEEP)
-            work = 0
-            for pid in list(self._pages):
-                for page in list(self._pages.get(pid, ())):
-                    if page in self._pages.get(pid, ()):  # not closed meanwhile
-                        work += self._read_page(pid, page, HELD_RING)
-                    if work >= _SWEEP_CHUNK:
-                        await anyio.lowlevel.checkpoint()
-                        work = 0
-                work += self._follow_marks(pid)
-                if work >= _SWEEP_CHUNK:
-                    await anyio.lowlevel.checkpoint()
-                    work = 0
-
-    def watch_page(self, pid: int, page: SlotPage) -> None:
-        """Read ``page`` (a connection's release slots) until :meth:`close_page`."""
-        self._pages.setdefault(pid, []).append(page)
-        self._watching.set()
-
-    def close_page(self, pid: int, page: SlotPage) -> None:
-        """``page`` is read no more: what it says is taken in, its timers become plain ones."""
-        pages = self._pages.get(pid)
-        if pages is None or page not in pages:
-            return  # the process exited first
-        self._read_page(pid, page, HELD_RING)
-        pages.remove(page)
-        if not pages:
-            del self._pages[pid]
-        marked = self._marked.get(pid)
-        if marked is None:
-            return
-        now = time.monotonic()
-        for scope_id in page.scopes.values():
-            timer = marked.get(scope_id)
-            if timer is None or timer.release is None or timer.release.slots is not page.floats:
-                continue  # another connection's (or none)
-            self._follow(timer, now)
-            del marked[scope_id]
-            live = self.table.get(pid, scope_id)
-            if live is not None and live.release is not None and live.release.slots is page.floats:
-                live.release = None
-        if not marked:
-            del self._marked[pid]
-
-    def _read_held(self, pid: int, limit: int | None = None) -> int:
-        """Take in how long ``pid`` held what it released through its slots since the
-        last read (at most ``limit`` entries; None: all); how many entries it read."""
-        read = 0
-        for page in self._pages.get(pid, ()):
-            read += self._read_page(pid, page, HELD_RING if limit is None else limit - read)
-        return read
-
-    def _read_page(self, pid: int, page: SlotPage, limit: int) -> int:
-        lost = page.lost
-        spans = page.held(limit)
-        self.stats.held_lost += page.lost - lost
-        if spans:
-            self._record_held(pid, spans)
-        return len(spans) + page.lost - lost
-
-    def _record_held(self, pid: int, spans: Iterable[tuple[str, float, float]]) -> None:
-        """What ``pid`` held and released through its slots: ``(scope, armed, released)``,
-        wall clock. The timeline and the statistics of those releases come from here."""
-        handle = self.processes.get(pid)
-        if handle is None:
-            return
-        offset = time.monotonic() - time.time()
-        for scope_id, armed, released in spans:
-            ended = released + offset
-            timer = Timer(ended, pid, scope_id, 0, "socket", handle.uid, armed + offset)
-            self._released(timer, ended, handle.uid)
 
     def _released(self, timer: Timer, now: float, uid: int) -> None:
         """A timer its owner released: on the timeline, and a sample of its scope's duration."""
@@ -584,7 +355,6 @@ class TimerService:
         worker = self.supervision.worker(pid)
         if worker is None:
             return None
-        self._read_held(pid)  # the host-time releases this report follows come first
         key = ScopeKey(worker.group, scope_id, worker.rank)
         if key in self.scope_stats.sketches:
             self.stragglers.sample(key, seconds, device=True)
@@ -690,7 +460,6 @@ class TimerService:
     def _on_process_exit(self, handle: ProcessHandle) -> None:
         aio.unwatch(handle.pidfd)
         handle.close()
-        self._read_held(handle.pid)  # what it released before it ended (it needs the handle)
         if self.processes.get(handle.pid) is handle:
             del self.processes[handle.pid]
             owned = self._pids_of[handle.uid]
@@ -699,20 +468,15 @@ class TimerService:
                 del self._pids_of[handle.uid]
         self.reaper.forget(handle)
         self._approved.pop(handle.pid, None)
-        now = time.monotonic()
-        self._pages.pop(handle.pid, None)
-        self._marked.pop(handle.pid, None)
-        timers = self.table.release_pid(handle.pid)
-        # One its slot released had ended before its process did (its held time read above).
-        dropped = [t for t in timers if t.release is None or t.release.since() != "released"]
         if self.supervision.worker(handle.pid) is None:
             self.scope_stats.forget("", handle.pid)  # its "rank" was its pid
             self.learned.forget_pid(handle.pid)
-        if timers:
-            self._mark_changed()
+        dropped = self.table.release_pid(handle.pid)
         if dropped:
+            now = time.monotonic()
             for timer in dropped:
                 self.timeline.record((timer, now, "dropped", handle.uid))
+            self._mark_changed()
             self.stats.dropped += len(dropped)
             self.events.emit(
                 "timers_dropped",
@@ -737,7 +501,6 @@ class TimerService:
         self.reaper.attach(task_group)
         self._expiring = True
         task_group.start_soon(self.noisy.run)
-        task_group.start_soon(self._sweep_slots)
         table = self.table
         while True:
             deadline = table.next_deadline()
@@ -787,17 +550,12 @@ class TimerService:
         self._mark_changed()
         processes = self.processes
         done = []
-        due: list[tuple[Timer, float]] = []
-        while popped := self.table.pop_expired(now):
-            # Not due after all: released, or armed again since.
-            expired = [t for t in popped if t.release is None or self._follow(t, now) == "held"]
+        while expired := self.table.pop_expired(now):
+            for timer in expired:
+                handle = processes.get(timer.pid)
+                self.timeline.record((timer, now, "expired", -1 if handle is None else handle.uid))
             done += self.reaper.expire(expired)
-            due += [(timer, now) for timer in expired]
             now = time.monotonic()
-        for timer, at in due:  # after every signal: reading held rings delays no kill
-            self._read_held(timer.pid)  # its releases come before its expiry on the timeline
-            handle = processes.get(timer.pid)
-            self.timeline.record((timer, at, "expired", -1 if handle is None else handle.uid))
         self.reaper.record(done)
 
     # -- persistence's port -----------------------------------------------------------
@@ -820,7 +578,6 @@ class TimerService:
 
     def snapshot_timers(self, size: int = 1000) -> Iterator[list[SnapshotTimer]]:
         """The live timers as snapshot records, ``size`` at a time (wall-clock deadlines)."""
-        self.follow_slots(None)
         now, wall = time.monotonic(), time.time()
         processes = self.processes
         entries = self.table.entries()
