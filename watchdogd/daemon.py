@@ -1,12 +1,14 @@
 """The composition root: build the parts, hand each its ports, run them in one task group.
 
 Nothing but ``cli/`` imports this module. The parts never see the
-:class:`Daemon`: the timer service gets an event sink, its stats and the
-supervisor's worker index (``Supervision``); the fronts get the timer
-service's operations; the socket sessions get ``SessionPorts``; the
-supervisor gets the event sink, the endpoints and the straggler watch's
-``StragglerShare`` (what multi-node groups publish and read back); metrics
-read typed stats.
+:class:`Daemon`: the timer core gets the process watch, the reaper (its
+``Killer``), the scope recorder (its ``DeadlineLearner``), an event sink,
+its stats and the supervisor's worker index (``Supervision``); the timeline
+and the scope recorder observe the timers that end; the fronts get the
+core's operations and the request audit; the socket sessions get
+``SessionPorts``; the supervisor gets the event sink, the endpoints, the
+straggler watch's ``StragglerShare`` (what multi-node groups publish and
+read back) and the recorder's ``GroupRuns``; metrics read typed stats.
 
 One anyio task group holds everything: the socket's accept loop and one
 task per connection, the expiry loop, the snapshot writer, the worker
@@ -59,10 +61,16 @@ from watchdogd.service.gpu_status import GpuStatus
 from watchdogd.service.learned_store import LearnedStore
 from watchdogd.service.metrics import HealthServer, LoopMonitor, Metrics, parse_listen
 from watchdogd.service.persistence import Persistence
+from watchdogd.service.process_watch import ProcessWatch
+from watchdogd.service.reaper import Reaper
+from watchdogd.service.scope_recorder import ScopeRecorder
 from watchdogd.service.session import SessionPorts
 from watchdogd.service.socket_front import SocketFront
 from watchdogd.service.stats import Stats
-from watchdogd.service.timer_service import TimerService
+from watchdogd.service.throttle import NoisyEvents, RequestAudit
+from watchdogd.service.timeline import Timeline
+from watchdogd.service.timer_core import TimerCore
+from watchdogd.service.timer_queries import TimerQueries
 from watchdogd_client import protocol as p
 from watchdogd_client.events import Event, EventSource, get_logging_handler, register_handler
 
@@ -131,25 +139,52 @@ class Daemon:
         self.loop_monitor = LoopMonitor(loop_tick)
         workers = WorkerIndex()
         self.stacks = StackStore(config.state_path() / "dumps", config.dumps_kept)
-        self.timers = TimerService(
+        self.watch = ProcessWatch()
+        self.reaper = Reaper(
             config,
+            processes=self.watch,
             events=self.events,
             stats=self.stats,
             supervision=workers,
             stacks=self.stacks,
             observe_latency=lambda late: self.metrics.expiry_latency.observe(late),
         )
+        self.scopes = ScopeRecorder(config, events=self.events, supervision=workers)
+        self.noisy = NoisyEvents(self.events, self.stats, config.limits.max_noisy_events_per_s)
+        self.audit = RequestAudit(self.noisy)
+        self.timers = TimerCore(
+            config.limits,
+            config.policy,
+            watch=self.watch,
+            killer=self.reaper,
+            supervision=workers,
+            learner=self.scopes,
+            events=self.events,
+            stats=self.stats,
+        )
+        self.timeline = Timeline(config.timeline_size)
+        # The observers of ended timers: the timeline first, so a release's
+        # statistics never come before its span.
+        self.timers.on_ended(self.timeline.timer_ended)
+        self.timers.on_ended(self.scopes.timer_ended)
+        self.watch.on_exit(self.reaper.forget)
+        self.watch.on_exit(self.scopes.process_exited)
+        self.queries = TimerQueries(
+            self.timers.table, self.watch, self.timeline, config.limits.max_listed_timers
+        )
         self.supervisor = Supervisor(
             self.events,
             Endpoints(str(self.socket_path), str(self.fifo_path)),
             workers=workers,
-            stragglers=self.timers.stragglers,
-            runs=self.timers,
+            stragglers=self.scopes.stragglers,
+            runs=self.scopes,
         )
         self.supervisor.fault_injection = config.fault_injection
         self.metrics = Metrics(
             self.stats,
             self.timers,
+            self.watch,
+            self.scopes.stragglers.board,
             self.supervisor.states,
             self.supervisor.infos,
             self.loop_monitor,
@@ -163,13 +198,23 @@ class Daemon:
             interval=config.snapshot_interval,
         )
         self.learned_store = LearnedStore(
-            config.learned_path(), self.timers, events=self.events, interval=_LEARNED_SAVE
+            config.learned_path(), self.scopes, events=self.events, interval=_LEARNED_SAVE
         )
-        self.fifo_front = FifoFront(self.timers, self.stats, config.limits.max_line)
+        self.fifo_front = FifoFront(self.timers, self.audit, self.stats, config.limits.max_line)
         self.socket_front = SocketFront(
             SessionPorts(
-                self.timers, self.events, self.stacks, self.supervisor, self.stats, self.status
+                self.timers,
+                self.audit,
+                self.queries,
+                self.scopes,
+                self.reaper,
+                self.events,
+                self.stacks,
+                self.supervisor,
+                self.stats,
+                self.status,
             ),
+            config.limits,
             _admin_gid(config),
         )
         self.notifier = Notifier({} if embedded else None)
@@ -198,12 +243,13 @@ class Daemon:
             # systemd may have passed endpoints at other paths than the config's.
             self.supervisor.endpoints = Endpoints(str(self.socket_path), str(self.fifo_path))
             listener = await anyio.abc.SocketListener.from_socket(raw_socket)
-            cleanup.callback(self.timers.close_processes)
+            cleanup.callback(self.watch.close)
             self.persistence.restore()
             async with anyio.create_task_group() as tg, listener:
                 aio.watch_readable(fifo_fd, partial(self.fifo_front.on_readable, fifo_fd))
                 cleanup.callback(aio.unwatch, fifo_fd)
                 tg.start_soon(self.timers.run, tg)
+                tg.start_soon(self.noisy.run)
                 tg.start_soon(listener.serve, self.socket_front.serve, tg)
                 tg.start_soon(self.persistence.run)
                 tg.start_soon(self.learned_store.run)
@@ -312,7 +358,7 @@ class Daemon:
 
     def _status_line(self) -> str:
         return (
-            f"STATUS={len(self.timers)} timers, {len(self.timers.processes)} processes, "
+            f"STATUS={len(self.timers)} timers, {len(self.watch)} processes, "
             f"{self.stats.connections} connections, {self.supervisor.running()} groups"
         )
 
@@ -332,7 +378,13 @@ class Daemon:
         old_groups = {g.name for g in self.config.groups}
         new_groups = {g.name: g for g in config.groups}
         self.config = config
-        self.timers.reconfigure(config)
+        self.timers.reconfigure(config.limits, config.policy)
+        self.reaper.settings = config
+        self.noisy.resize(config.limits.max_noisy_events_per_s)
+        self.timeline.resize(config.timeline_size)
+        self.scopes.reconfigure(config)
+        self.queries.max_listed = config.limits.max_listed_timers
+        self.socket_front.limits = config.limits
         self.persistence.interval = config.snapshot_interval
         self.learned_store.directory = config.learned_path()
         self.supervisor.fault_injection = config.fault_injection
@@ -402,7 +454,7 @@ class Daemon:
             socket_path=str(self.socket_path),
             fifo_path=str(self.fifo_path),
             timers=len(self.timers),
-            processes=len(self.timers.processes),
+            processes=len(self.watch),
             connections=stats.connections,
             requests=dict(stats.requests),
             expired=stats.expired,

@@ -24,7 +24,7 @@ from watchdogd.daemon import Daemon
 from watchdogd.linux import procs
 from watchdogd.linux.endpoints import EndpointError
 from watchdogd.linux.procs import ProcessHandle
-from watchdogd.service import timer_service
+from watchdogd.service import timer_core
 from watchdogd_client import protocol as p
 
 from ..conftest import exit_code, fifo_line, fifo_write, python, running_daemon, wait_for
@@ -127,7 +127,7 @@ async def test_timers_due_together_are_all_signalled_before_any_is_recorded(
         assert len(victims) == count
         # The test blocks the loop on purpose, so that all twenty are overdue at once.
         async with running_daemon(short_dir, stack_dumps="off", max_stall=None) as daemon:
-            reaper = daemon.timers.reaper
+            reaper = daemon.reaper
             emit = reaper.events.emit
             pending_at_first_event: list[int] = []
 
@@ -240,7 +240,7 @@ async def test_timers_of_an_exited_process_are_dropped_and_nothing_is_signalled(
         assert daemon.stats.dropped == 2
         await anyio.sleep(0.7)
         assert daemon.stats.signalled == 0
-        assert child.pid not in daemon.timers.processes
+        assert daemon.watch.process(child.pid) is None
 
 
 async def test_release_disarms(short_dir: Path) -> None:
@@ -372,7 +372,7 @@ async def test_the_daemon_never_targets_itself_nor_opens_a_protected_pid(
         opened.append(pid)
         return procs.open_process(pid)
 
-    monkeypatch.setattr(timer_service, "open_process", open_process)
+    monkeypatch.setattr(timer_core, "open_process", open_process)
     async with running_daemon(short_dir) as daemon, sleeper() as pid:
         c = client(daemon)
         await call(c.sync)

@@ -126,7 +126,7 @@ async def test_the_fifo_arms_the_initial_and_cannot_learn_without_one(short_dir:
             refusal = await anyio.to_thread.run_sync(child.stdout.readline)
             assert await anyio.to_thread.run_sync(child.stdout.readline) == "armed\n"
             await wait_for(lambda: daemon.timers.table.get(child.pid, "step") is not None)
-            listing = daemon.timers.timer_list(0, None)
+            listing = daemon.queries.timer_list(0, None)
         finally:
             child.kill()
             child.wait()

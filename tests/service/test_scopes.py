@@ -66,7 +66,8 @@ async def test_a_groups_ranks_have_their_own_durations_per_scope(short_dir: Path
     assert compute[0].count == compute[1].count == 10
     assert 0.018 <= compute[0].p50_s < compute[1].p50_s
     assert compute[1].p50_s > 2 * compute[0].p50_s  # the slow rank shows
-    assert compute[1].max_s >= compute[1].p99_s >= compute[1].p50_s
+    # A quantile is its bucket's midpoint: within 2 % of the samples in it, the maximum too.
+    assert compute[1].max_s * 1.02 >= compute[1].p99_s >= compute[1].p50_s
     assert listing.refused == 0
 
 
@@ -95,7 +96,7 @@ async def test_the_cap_refuses_new_names_and_a_process_that_exits_takes_its_own(
         finally:
             child.kill()
             await child.wait()
-        await wait_for(lambda: len(daemon.timers.scope_stats) == 0)  # its pid's sketches went
+        await wait_for(lambda: len(daemon.scopes.scope_stats) == 0)  # its pid's sketches went
     listing = json.loads(shown.stdout)
     mine = [s for s in listing["scopes"] if s["rank"] == child.pid]
     assert len(mine) == 50  # the cap, not 301

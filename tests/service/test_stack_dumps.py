@@ -192,7 +192,7 @@ async def test_a_client_marks_its_dumps_when_connected_from_the_main_thread(
         )
         assert child.stdout is not None
         assert await anyio.to_thread.run_sync(child.stdout.readline) == "connected\n"
-        _, _, marker = daemon.timers.reaper.faulthandlers[child.pid]
+        _, _, marker = daemon.reaper.faulthandlers[child.pid]
         assert marker is (thread == "main")
         assert await exit_code(child) == -signal.SIGKILL
         child.stdout.close()

@@ -146,7 +146,7 @@ async def test_job_listing_adds_what_other_nodes_published(short_dir: Path) -> N
         await run_group(daemon)
         # Its run over: its publisher, which tells "no other node" as it ends, is gone.
         await daemon.supervisor.get("train").finished.wait()
-        daemon.timers.stragglers.received("train", {"node-b": other})
+        daemon.scopes.stragglers.received("train", {"node-b": other})
         local = json.loads(await ctl(daemon, "stragglers", "--json"))["stragglers"]
         job = json.loads(await ctl(daemon, "stragglers", "--job", "--json"))["stragglers"]
         table = await ctl(daemon, "stragglers", "--job")

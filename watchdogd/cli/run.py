@@ -481,7 +481,7 @@ def _straggler_settings(config: Config, args: argparse.Namespace) -> Config:
 def _write_trace(daemon: Daemon, path: str) -> None:
     """The run's timeline, once it is over (the loop has stopped: nothing to hold up)."""
     try:
-        summary = write_trace(path, daemon.events.since(), daemon.timers.timeline_spans(None))
+        summary = write_trace(path, daemon.events.since(), daemon.queries.timeline_spans(None))
     except OSError as e:
         print(f"watchdogd run: --trace {path}: {e.strerror}", file=sys.stderr)
         return

@@ -32,9 +32,11 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["Source", "Timer", "TimerTable"]
+__all__ = ["Ended", "Outcome", "Source", "Timer", "TimerTable"]
 
 Source = Literal["fifo", "socket"]
+Outcome = Literal["released", "expired", "dropped"]
+"""How a timer ended: its owner released it, it expired, or its process exited."""
 
 # Below this many entries a rebuild costs more than the dead entries do.
 _COMPACT_MIN = 64
@@ -52,6 +54,13 @@ class Timer(msgspec.Struct, order=True, gc=False):
     armed: float = 0.0
     """When it was armed, on the deadline's clock (a job's timeline shows it from then)."""
     live: bool = True
+
+
+Ended = tuple["Timer", float, Outcome, int]
+"""A timer that ended: ``(timer, when (monotonic), how, its process's owner uid)``.
+
+A plain tuple, not a class: one is made for every release, on the hot path.
+"""
 
 
 class TimerTable:

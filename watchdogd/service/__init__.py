@@ -1,7 +1,8 @@
-"""The timer service at runtime: ``TimerService`` (arm, release, the expiry
-loop), the reaper, the FIFO front, the socket ``Session`` (sans-IO) and its
-transport, persistence, the event log, the GPU status cache, stats, metrics
-and health.
+"""The timer service at runtime: the timer core (arm, release, the expiry
+loop), the process watch, the reaper, the observers of ended timers (the
+timeline, the scope recorder), the queries, the FIFO front, the socket
+``Session`` (sans-IO) and its transport, persistence, the event log, the GPU
+status cache, stats, metrics and health.
 
 The rule: **nothing blocks the event loop.** It fires every deadline on the
 node, so a call that can wait — a console or file write, NVML, fsync, DNS, a

@@ -23,7 +23,7 @@ import msgspec
 from watchdogd.core.policy import Requester
 from watchdogd.linux import aio
 from watchdogd.service.stats import Stats
-from watchdogd.service.timer_service import TimerOperations
+from watchdogd.service.timer_core import Audit, TimerOperations
 from watchdogd_client import protocol as p
 from watchdogd_client.framing import OVERSIZED, LineSplitter
 
@@ -44,8 +44,9 @@ _FIFO_REQUESTER = Requester("fifo")
 class FifoFront:
     """Serves the FIFO."""
 
-    def __init__(self, timers: TimerOperations, stats: Stats, max_line: int) -> None:
+    def __init__(self, timers: TimerOperations, audit: Audit, stats: Stats, max_line: int) -> None:
         self.timers = timers
+        self.audit = audit
         self.stats = stats
         self.splitter = LineSplitter(max_line)
         self._pending: Iterator[bytes] | None = None
@@ -84,7 +85,7 @@ class FifoFront:
 
     def _serve_line(self, line: bytes) -> None:
         if line is OVERSIZED:
-            self.timers.bad_input(
+            self.audit.bad_input(
                 "fifo", f"line longer than max_line ({self.splitter.max_line})", b""
             )
             return
@@ -95,7 +96,7 @@ class FifoFront:
             return
         self.stats.requests["fifo"] += 1
         if request.version != 1:
-            self.timers.bad_input("fifo", f"unsupported version {request.version}", line[:200])
+            self.audit.bad_input("fifo", f"unsupported version {request.version}", line[:200])
             return
         error = self.timers.arm(
             _FIFO_REQUESTER,
@@ -105,7 +106,7 @@ class FifoFront:
             request.signal,
         )
         if error is not None:
-            self.timers.refused("fifo", request.pid, request.scope_id, error)
+            self.audit.refused("fifo", request.pid, request.scope_id, error)
 
     def _decode(self, line: bytes) -> p.FileTimerRequest | None:
         try:
@@ -125,5 +126,5 @@ class FifoFront:
                 msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError
             ):
                 salvaged = _decoder.decode(line[start:])
-        self.timers.bad_input("fifo", reason, line[:start] if salvaged else line)
+        self.audit.bad_input("fifo", reason, line[:start] if salvaged else line)
         return salvaged

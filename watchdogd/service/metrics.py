@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -25,9 +25,9 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from watchdogd.core.stragglers import Stragglers
 from watchdogd.linux.procs import RunQueueClock
 from watchdogd.service.stats import Stats
-from watchdogd.service.timer_service import TimerService
 from watchdogd_client.groups import GroupInfo, GroupState
 
 # Each group's state and how many restarts it used (the groups' port for metrics).
@@ -86,13 +86,17 @@ class Metrics(Collector):
     def __init__(
         self,
         stats: Stats,
-        timers: TimerService,
+        timers: Sized,
+        processes: Sized,
+        stragglers: Stragglers,
         groups: GroupStates,
         infos: GroupInfos,
         loop: LoopMonitor,
     ) -> None:
         self.stats = stats
         self.timers = timers
+        self.processes = processes
+        self.stragglers = stragglers
         self.groups = groups
         self.infos = infos
         self.loop = loop
@@ -109,7 +113,7 @@ class Metrics(Collector):
         stats = self.stats
         yield GaugeMetricFamily("watchdogd_active_timers", "Timers armed now.", len(self.timers))
         yield GaugeMetricFamily(
-            "watchdogd_watched_processes", "Processes held by pidfd.", len(self.timers.processes)
+            "watchdogd_watched_processes", "Processes held by pidfd.", len(self.processes)
         )
         yield GaugeMetricFamily(
             "watchdogd_connections", "Open socket connections.", stats.connections
@@ -191,7 +195,7 @@ class Metrics(Collector):
         yield from (left, round_, waiting)
 
     def _stragglers(self) -> Iterator[Metric]:
-        board = self.timers.stragglers.board
+        board = self.stragglers
         flagged = GaugeMetricFamily(
             "watchdogd_stragglers",
             "Worker ranks flagged as stragglers now, per scope (1 each).",

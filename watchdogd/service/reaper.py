@@ -66,6 +66,10 @@ class ProcessLookup(Protocol):
         """The process a timer of ``pid`` was armed on, while it is watched."""
         ...
 
+    def pin(self, pid: int) -> ProcessHandle | None:
+        """The process ``pid``, watched from now on; None if it is gone."""
+        ...
+
 
 _GONE = "process already gone"
 _RECORDED = "recorded"
@@ -127,14 +131,17 @@ class Reaper:
 
     # -- faulthandler registration (hello over the socket) -------------------------
 
-    def register_faulthandler(
-        self, handle: ProcessHandle, signal: int, marker: bool = False
-    ) -> int | None:
-        """A descriptor for the client's faulthandler output, or None when dumps are off.
+    def register_stack_dumps(self, pid: int, signal: int, marker: bool = False) -> int | None:
+        """A descriptor for the client's faulthandler output; None when not wanted.
 
-        ``marker``: the client writes the end-of-dump marker after the dump.
+        ``marker``: the client writes the end-of-dump marker after each dump.
         """
+        if not 0 < signal < 65 or signal == 9:
+            return None
         if self.settings.stack_dumps in ("off", "py-spy"):
+            return None
+        handle = self.processes.pin(pid)
+        if handle is None:
             return None
         fd = self.stacks.faulthandler_file(handle.pid, handle.start_time)
         self.faulthandlers[handle.pid] = (handle.start_time, signal, marker)

@@ -30,7 +30,7 @@ Rules
   the ~16,000 empty frames one 64 KiB read can hold. A query that walks a
   table or the event ring ends the turn by itself. Before each turn, and
   every ``EXPIRY_CHECK_FRAMES`` frames within one, it expires what is due
-  (``TimerService.expire_due``): the expiry loop's own wake-up would wait
+  (``TimerOperations.expire_due``): the expiry loop's own wake-up would wait
   for every other connection's turn of the same loop iteration, so a kill
   waits for a few frames, not a turn per flooding connection.
 """
@@ -41,7 +41,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import msgspec
 
@@ -51,7 +51,7 @@ from watchdogd.linux.procs import ProcessHandle
 from watchdogd.linux.stacks import StackStore
 from watchdogd.service.eventlog import EventLog
 from watchdogd.service.stats import Stats
-from watchdogd.service.timer_service import ErrorReply, TimerService
+from watchdogd.service.timer_core import Audit, ErrorReply, TimerOperations
 from watchdogd_client import protocol as p
 from watchdogd_client.framing import FrameSplitter, FrameTooLargeError, frame
 
@@ -62,6 +62,8 @@ __all__ = [
     "Follow",
     "OffLoop",
     "Peer",
+    "Queries",
+    "Scopes",
     "SendFd",
     "Session",
     "SessionPorts",
@@ -87,10 +89,38 @@ def encode(reply: p.Reply) -> bytes:
     return frame(_reply_encoder.encode(reply))
 
 
+class Queries(Protocol):
+    """The live timers and the recent ones, as a peer may see them (``uid`` None: all)."""
+
+    def timer_list(self, seq: int, uid: int | None) -> p.TimerList: ...
+
+    def timeline_spans(self, uid: int | None) -> list[p.TimerSpan]: ...
+
+
+class Scopes(Protocol):
+    """What released timers taught, and the GPU's time of a scope."""
+
+    def scope_list(self, seq: int, uid: int | None) -> p.ScopeList: ...
+
+    def straggler_list(self, seq: int, uid: int | None, job: bool) -> p.StragglerList: ...
+
+    def device_time(self, pid: int, scope_id: str, seconds: float) -> ErrorReply | None: ...
+
+
+class StackDumps(Protocol):
+    def register_stack_dumps(self, pid: int, signal: int, marker: bool = False) -> int | None:
+        """The file a client's faulthandler writes to; None when not wanted."""
+        ...
+
+
 class SessionPorts(NamedTuple):
     """What a session may reach, the same for every connection."""
 
-    timers: TimerService
+    timers: TimerOperations
+    audit: Audit
+    queries: Queries
+    scopes: Scopes
+    dumps: StackDumps
     events: EventLog
     stacks: StackStore
     groups: GroupControl
@@ -148,12 +178,12 @@ Outgoing = bytes | SendFd | Follow | OffLoop | Close | Turn
 
 
 class Session:
-    def __init__(self, ports: SessionPorts, peer: Peer) -> None:
+    def __init__(self, ports: SessionPorts, peer: Peer, max_frame: int) -> None:
         self.ports = ports
         self.peer = peer
         self.seq = 0
         self.greeted = False
-        self._splitter = FrameSplitter(ports.timers.limits.max_frame)
+        self._splitter = FrameSplitter(max_frame)
 
     def feed(self, data: bytes) -> Iterator[Outgoing]:
         """What to send in answer to ``data``, in order; a :class:`Close` is last.
@@ -187,7 +217,7 @@ class Session:
                     yield Close()
                     return
         except FrameTooLargeError as e:
-            timers.bad_input("socket", str(e), b"", self.peer.uid)
+            self.ports.audit.bad_input("socket", str(e), b"", self.peer.uid)
             yield encode(p.Error(self.seq, "bad_frame", f"{e}; closing"))
             yield Close()
 
@@ -197,7 +227,7 @@ class Session:
         try:
             request = _request_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
-            self.ports.timers.bad_input("socket", str(e), payload[:64], self.peer.uid)
+            self.ports.audit.bad_input("socket", str(e), payload[:64], self.peer.uid)
             return p.Error(seq, "bad_request", str(e))
         try:
             return self._dispatch(seq, request)
@@ -223,7 +253,7 @@ class Session:
         if request.stack_signal is None:
             return welcome
         try:
-            fd = self.ports.timers.register_stack_dumps(
+            fd = self.ports.dumps.register_stack_dumps(
                 peer.pid, request.stack_signal, request.dump_marker
             )
         except OSError as e:
@@ -258,7 +288,7 @@ class Session:
                 return p.Synced(seq)
             case p.ListTimers():
                 # Operators see every timer; others only those on their own processes.
-                return timers.timer_list(seq, None if peer.admin else peer.uid)
+                return ports.queries.timer_list(seq, None if peer.admin else peer.uid)
             case p.GetStatus():
                 return ports.status(seq, peer.admin)
             case p.GetEvents(since_ms=since_ms, limit=limit, follow=follow):
@@ -273,16 +303,17 @@ class Session:
                 return OffLoop(seq, partial(self._read_trace, seq, dump_id, rank))
             case p.GetTimeline():
                 # As for timers: operators see every one, others those of their processes.
-                return p.Timeline(seq, timers.timeline_spans(None if peer.admin else peer.uid))
+                spans = ports.queries.timeline_spans(None if peer.admin else peer.uid)
+                return p.Timeline(seq, spans)
             case p.GetScopes():
                 # As for timers: operators see every scope, others those of their processes.
-                return timers.scope_list(seq, None if peer.admin else peer.uid)
+                return ports.scopes.scope_list(seq, None if peer.admin else peer.uid)
             case p.GetStragglers(job=job):
                 # As for scopes: operators see every rank, others those of their processes
                 # (and, with ``job``, the other nodes' ranks of those processes' jobs).
-                return timers.stragglers.listing(seq, None if peer.admin else peer.uid, job)
+                return ports.scopes.straggler_list(seq, None if peer.admin else peer.uid, job)
             case p.DeviceTime(scope_id, seconds):
-                error = timers.device_time(peer.pid, scope_id, seconds)
+                error = ports.scopes.device_time(peer.pid, scope_id, seconds)
             case p.ListGroups():
                 return p.GroupList(seq, ports.groups.infos())
             case p.SubmitGroup() | p.StopGroup() | p.RestartGroup() | p.InjectFault():
@@ -291,7 +322,7 @@ class Session:
                 return p.Error(seq, "bad_request", "hello was already sent on this connection")
         if error is None:
             return None
-        timers.refused("socket", target, getattr(request, "scope_id", ""), error, peer.uid)
+        ports.audit.refused("socket", target, getattr(request, "scope_id", ""), error, peer.uid)
         return p.Error(seq, *error)
 
     def _read_dump(self, seq: int, dump_id: str) -> p.Reply:

@@ -35,6 +35,7 @@ import anyio.lowlevel
 import anyio.to_thread
 from anyio.abc import SocketAttribute
 
+from watchdogd.core.config import Limits
 from watchdogd.linux.procs import ProcessHandle, open_process
 from watchdogd.service.session import (
     Close,
@@ -102,14 +103,15 @@ def _is_admin(raw: socket.socket, uid: int, gid: int, admin_gid: int | None) -> 
 class SocketFront:
     """Serves the daemon's Unix socket."""
 
-    def __init__(self, ports: SessionPorts, admin_gid: int | None) -> None:
+    def __init__(self, ports: SessionPorts, limits: Limits, admin_gid: int | None) -> None:
         self.ports = ports
+        self.limits = limits
         self.admin_gid = admin_gid
         self.per_uid: Counter[int] = Counter()
         """Connections open now, by the peer's uid (root's and the admin group's too)."""
 
     async def serve(self, stream: anyio.abc.SocketStream) -> None:
-        stats, limits = self.ports.stats, self.ports.timers.limits
+        stats, limits = self.ports.stats, self.limits
         async with stream:
             raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
             pid, uid, gid = _UCRED.unpack(
@@ -133,7 +135,7 @@ class SocketFront:
             per_uid[uid] += 1
             try:
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await self._converse(stream, Session(self.ports, peer))
+                    await self._converse(stream, Session(self.ports, peer, limits.max_frame))
             finally:
                 stats.connections -= 1
                 per_uid[uid] -= 1
@@ -146,17 +148,13 @@ class SocketFront:
         self, stream: anyio.abc.SocketStream, pid: int, uid: int, limit: str, reason: str
     ) -> None:
         """Answer a connection past ``limit`` with ``Error(-1, limit_exceeded)``; it closes next."""
-        self.ports.stats.connections_refused[limit] += 1
-        if self.ports.timers.noisy.allow("connection_refused", "socket", uid):
-            self.ports.events.emit(
-                "connection_refused", via="socket", uid=uid, pid=pid, limit=limit, reason=reason
-            )
+        self.ports.audit.connection_refused(pid, uid, limit, reason)
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
             await stream.send(encode(p.Error(-1, "limit_exceeded", reason)))
 
     async def _converse(self, stream: anyio.abc.SocketStream, session: Session) -> None:
         """Serve one connection until it closes or must be closed."""
-        limit = self.ports.timers.limits.max_pending_bytes
+        limit = self.limits.max_pending_bytes
         outbox: list[bytes] = []
         pending = 0
 

@@ -18,10 +18,13 @@ from watchdogd.core.ports import EventSink
 from watchdogd.core.throttle import Throttle
 from watchdogd.service.stats import Stats
 
-__all__ = ["NoisyEvents"]
+__all__ = ["NoisyEvents", "RequestAudit"]
 
 # The window of the rate, and so how often a source's summary may come.
 WINDOW = 1.0
+
+ErrorReply = tuple[str, str]
+"""A refusal: its error code and message."""
 
 Source = tuple[str, str, int | None]
 """(event name, transport, the peer's uid or None for the FIFO)."""
@@ -62,3 +65,51 @@ class NoisyEvents:
                 self.events.emit(
                     f"{name}_suppressed", via=via, uid=uid, count=count, window_s=WINDOW
                 )
+
+
+class RequestAudit:
+    """Counts what a front could not decode or had to refuse; an event each, rate-limited."""
+
+    def __init__(self, noisy: NoisyEvents) -> None:
+        self.noisy = noisy
+        self.stats = noisy.stats
+        self.events = noisy.events
+
+    def bad_input(self, via: str, reason: str, sample: bytes, uid: int | None = None) -> None:
+        """Count undecodable input from ``uid`` (None: the FIFO)."""
+        self.stats.bad_input += 1
+        self.stats.bad_inputs[via] += 1
+        if self.noisy.allow("bad_input", via, uid):
+            self.events.emit(
+                "bad_input",
+                via=via,
+                uid=uid,
+                reason=reason,
+                sample=sample[:200].decode(errors="replace"),
+            )
+
+    def refused(
+        self, via: str, pid: int, scope_id: str, error: ErrorReply, uid: int | None = None
+    ) -> None:
+        """Count a refused request from ``uid`` (None: the FIFO)."""
+        self.stats.refused += 1
+        code, message = error
+        self.stats.refusals[code] += 1
+        if self.noisy.allow("request_refused", via, uid):
+            self.events.emit(
+                "request_refused",
+                via=via,
+                uid=uid,
+                pid=pid,
+                scope_id=scope_id,
+                code=code,
+                reason=message,
+            )
+
+    def connection_refused(self, pid: int, uid: int, limit: str, reason: str) -> None:
+        """Count a socket connection refused at accept for ``limit``."""
+        self.stats.connections_refused[limit] += 1
+        if self.noisy.allow("connection_refused", "socket", uid):
+            self.events.emit(
+                "connection_refused", via="socket", uid=uid, pid=pid, limit=limit, reason=reason
+            )

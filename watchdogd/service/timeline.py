@@ -15,26 +15,28 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Literal
 
-from watchdogd.core.timers import Timer
+from watchdogd.core.timers import Ended, Outcome, Timer
 from watchdogd_client import protocol as p
 
-__all__ = ["Outcome", "Timeline"]
-
-Outcome = Literal["released", "expired", "dropped"]
+__all__ = ["Timeline"]
 
 
 class Timeline:
     """Ended timers: ``(timer, ended, outcome, owner uid)``, monotonic times, oldest first."""
 
     def __init__(self, size: int) -> None:
-        self.ended: deque[tuple[Timer, float, Outcome, int]] = deque(maxlen=size)
-        # Bound once: the release path calls it directly.
+        self.ended: deque[Ended] = deque(maxlen=size)
+        # Bound once: the timer core calls it as an observer of every ended timer.
         self.record = self.ended.append
 
     def resize(self, size: int) -> None:
         if size != self.ended.maxlen:
             self.ended = deque(self.ended, maxlen=size)
             self.record = self.ended.append
+
+    def timer_ended(self, ended: Ended) -> None:
+        """The timer core's observer (``record`` itself changes with a resize)."""
+        self.record(ended)
 
     def spans(self, live: Iterable[tuple[Timer, int]], uid: int | None) -> list[p.TimerSpan]:
         """Ended timers, then ``live`` ones (with their process's owner), of ``uid``'s processes.
