@@ -21,7 +21,8 @@ Rules
 - Only the socket carries device times: with any other client, arming a
   device-timed scope raises :class:`NotConfiguredError`.
 - Nothing of this runs for a scope without ``device_time``: its timer is a
-  plain :class:`expires`, whose hot path knows nothing of it.
+  plain ``expires``, whose hot path knows nothing of it (the device-timed
+  one, in :mod:`watchdogd_client._timer`, calls here; nothing here calls back).
 """
 
 from __future__ import annotations
@@ -30,35 +31,32 @@ import os
 import sys
 import threading
 from collections import deque
-from types import TracebackType
 from typing import Any, Protocol
 
-from ._errors import NotConfiguredError
 from ._socket import SocketTimerClient
-from ._timer import expires, get_client
 
-__all__ = ["MAX_PENDING", "device_timed"]
+__all__ = ["MAX_PENDING", "Event", "cuda_module", "queue", "record", "report_completed"]
 
 MAX_PENDING = 256
 
 
-class _Event(Protocol):
+class Event(Protocol):
     """What is used of ``torch.cuda.Event``."""
 
     def record(self) -> None: ...
 
     def query(self) -> bool: ...
 
-    def elapsed_time(self, end: _Event) -> float: ...
+    def elapsed_time(self, end: Event) -> float: ...
 
 
 # Completed-or-not pairs, oldest first: the client, the scope, start and end events.
-_pending: deque[tuple[SocketTimerClient, str, _Event, _Event]] = deque(maxlen=MAX_PENDING)
+_pending: deque[tuple[SocketTimerClient, str, Event, Event]] = deque(maxlen=MAX_PENDING)
 _cuda: Any = None  # torch.cuda, once found available
 _reporting = threading.Lock()
 
 
-def _cuda_module() -> Any:
+def cuda_module() -> Any:
     """``torch.cuda`` if the trainer imported torch and has a GPU, else None."""
     global _cuda
     if _cuda is None:
@@ -68,53 +66,19 @@ def _cuda_module() -> Any:
     return _cuda
 
 
-def device_timed(timer: expires) -> None:
-    """Make ``timer`` record device time, if torch with CUDA is there; else leave it be."""
-    if _cuda_module() is not None:
-        _DeviceTimedExpires.adopt(timer)
+def record() -> Event:
+    """A timing event recorded now on the current stream (after :func:`cuda_module` found one)."""
+    event: Event = _cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
-class _DeviceTimedExpires(expires):
-    """An :class:`expires` that also brackets its block with CUDA events."""
-
-    _starts: list[_Event]
-    """Start events of the blocks entered and not yet left (a decorator may recurse)."""
-
-    @classmethod
-    def adopt(cls, timer: expires) -> None:
-        # Its class changes rather than expires growing a branch on every enter and exit.
-        timer.__class__ = cls
-        assert isinstance(timer, cls)
-        timer._starts = []
-
-    def __enter__(self) -> None:
-        client = self._client or get_client()
-        if not isinstance(client, SocketTimerClient):
-            raise NotConfiguredError(
-                f"expires(device_time=True) needs a SocketTimerClient, not "
-                f"{type(client).__name__}: only the socket carries device times"
-            )
-        super().__enter__()
-        start: _Event = _cuda.Event(enable_timing=True)
-        start.record()
-        self._starts.append(start)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        end: _Event = _cuda.Event(enable_timing=True)
-        end.record()
-        client = self._client or get_client()
-        if isinstance(client, SocketTimerClient) and self._starts:
-            _pending.append((client, self._scope, self._starts.pop(), end))
-        super().__exit__(exc_type, exc, tb)
-        _report_completed()
+def queue(client: SocketTimerClient, scope: str, start: Event, end: Event) -> None:
+    """Report ``scope``'s device time to ``client`` once ``end`` completed."""
+    _pending.append((client, scope, start, end))
 
 
-def _report_completed() -> None:
+def report_completed() -> None:
     """Send the device time of every pair at the head of the queue whose end completed."""
     while True:
         with _reporting:  # threads that release at once take turns at the head

@@ -25,7 +25,7 @@ import sys
 import time
 from types import TracebackType
 
-from . import _faults
+from . import _device_time, _faults
 from ._errors import NotConfiguredError, RequestError, WatchdogError
 from ._fifo import FileTimerClient
 from ._learn import Learn
@@ -105,10 +105,11 @@ class expires(contextlib.ContextDecorator):  # noqa: N801 - torch's name
             self._after, self._learn = after, None
         self._scope = scope
         self._client = client
-        if device_time:  # the GPU's time of the block scores it (see _device_time)
-            from ._device_time import device_timed
-
-            device_timed(self)
+        if device_time and _device_time.cuda_module() is not None:
+            # The GPU's time of the block scores it (see _device_time). Its class
+            # changes rather than every enter and exit growing a branch.
+            self.__class__ = _DeviceTimedExpires
+            self._starts: list[_device_time.Event] = []
 
     @property
     def scope(self) -> str:
@@ -142,3 +143,30 @@ class expires(contextlib.ContextDecorator):  # noqa: N801 - torch's name
         if _faults.active is not None:  # an injected slowdown (watchdogd run --inject)
             _faults.slow_down(self.__dict__.pop("_entered", None))
         (self._client or _configured or get_client()).release(self._scope)
+
+
+class _DeviceTimedExpires(expires):
+    """An :class:`expires` that also brackets its block with CUDA events."""
+
+    def __enter__(self) -> None:
+        client = self._client or get_client()
+        if not isinstance(client, SocketTimerClient):
+            raise NotConfiguredError(
+                f"expires(device_time=True) needs a SocketTimerClient, not "
+                f"{type(client).__name__}: only the socket carries device times"
+            )
+        super().__enter__()
+        self._starts.append(_device_time.record())  # a decorator may recurse
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        end = _device_time.record()
+        client = self._client or get_client()
+        if isinstance(client, SocketTimerClient) and self._starts:
+            _device_time.queue(client, self._scope, self._starts.pop(), end)
+        super().__exit__(exc_type, exc, tb)
+        _device_time.report_completed()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ import pytest
 
 import watchdogd_client as wd
 from watchdogd_client import protocol as p
+from watchdogd_client.framing import FrameSplitter
 
 
 class Recorder(wd.TimerClient):
@@ -201,3 +203,65 @@ def test_fifo_client_matches_torchs_wire_format(tmp_path: Path) -> None:
             "expiration_time": 1234.5,
             "signal": 15,
         }
+
+
+def _open_memfds() -> int:
+    return sum(
+        os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    )
+
+
+def test_a_page_from_an_older_daemon_is_closed_and_frames_are_used(short_dir: Path) -> None:
+    # A daemon from before "frames only" answered hello with a shared-memory page
+    # (``slot_page``) after the faulthandler file. The client keeps no such page.
+    path = str(short_dir / "old.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    received: list[p.Request] = []
+
+    def old_daemon() -> None:
+        conn, _ = server.accept()
+        with conn:
+            splitter = FrameSplitter(p.MAX_FRAME_SIZE)
+            decoder = msgspec.msgpack.Decoder(p.Request)
+            while True:
+                data = conn.recv(1 << 16)
+                if not data:
+                    return
+                for payload in splitter.feed(data):
+                    request = decoder.decode(payload)
+                    received.append(request)
+                    if isinstance(request, p.Hello):
+                        welcome = {
+                            "op": "welcome",
+                            "seq": 0,
+                            "version": 1,
+                            "daemon_pid": 1,
+                            "peer_pid": os.getpid(),
+                            "peer_uid": os.getuid(),
+                            "stack_dumps": True,
+                            "slot_page": 256,
+                        }
+                        dump, page = os.open(os.devnull, os.O_WRONLY), os.memfd_create("slots")
+                        socket.send_fds(
+                            conn, [p.frame(msgspec.msgpack.encode(welcome))], [dump, page]
+                        )
+                        os.close(dump)
+                        os.close(page)
+
+    thread = threading.Thread(target=old_daemon, daemon=True)
+    thread.start()
+    before = _open_memfds()
+    client = wd.SocketTimerClient(path, stack_signal=None)
+    try:
+        client.acquire("step", time.time() + 60)
+        client.release("step")
+        assert _open_memfds() == before
+    finally:
+        client.close()
+        thread.join(5)
+        server.close()
+    assert [type(r) for r in received] == [p.Hello, p.Acquire, p.Release]

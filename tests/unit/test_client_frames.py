@@ -9,7 +9,7 @@ import msgspec
 import pytest
 from hypothesis import given
 
-from watchdogd_client import _socket
+from watchdogd_client import _frames
 from watchdogd_client import protocol as p
 
 
@@ -26,24 +26,24 @@ def test_a_cached_acquire_is_the_struct_encoded(
     scope: str, deadlines: list[float], signal: int
 ) -> None:
     for deadline in deadlines:  # the second and later come from the cache
-        assert _socket._acquire_frame(scope, deadline, signal) == encoded(
+        assert _frames.acquire_frame(scope, deadline, signal) == encoded(
             p.Acquire(scope, deadline, signal)
         )
 
 
 def test_the_cache_keys_on_scope_and_signal() -> None:
-    first = _socket._acquire_frame("step", 1.0e9, 9)
-    assert _socket._acquire_frame("step", 1.0e9, 15) == encoded(p.Acquire("step", 1.0e9, 15))
-    assert _socket._acquire_frame("stop", 1.0e9, 9) == encoded(p.Acquire("stop", 1.0e9, 9))
-    assert _socket._acquire_frame("step", 1.0e9, 9) == first
+    first = _frames.acquire_frame("step", 1.0e9, 9)
+    assert _frames.acquire_frame("step", 1.0e9, 15) == encoded(p.Acquire("step", 1.0e9, 15))
+    assert _frames.acquire_frame("stop", 1.0e9, 9) == encoded(p.Acquire("stop", 1.0e9, 9))
+    assert _frames.acquire_frame("step", 1.0e9, 9) == first
 
 
 def test_the_cache_stays_bounded() -> None:
-    for i in range(3 * _socket._FRAME_CACHE_SIZE):
-        assert _socket._acquire_frame(f"step-{i}", 2.0e9, 9) == encoded(
+    for i in range(3 * _frames.FRAME_CACHE_SIZE):
+        assert _frames.acquire_frame(f"step-{i}", 2.0e9, 9) == encoded(
             p.Acquire(f"step-{i}", 2.0e9, 9)
         )
-    assert len(_socket._acquire_frames) <= _socket._FRAME_CACHE_SIZE
+    assert len(_frames._acquire_frames) <= _frames.FRAME_CACHE_SIZE
 
 
 def test_every_float_is_nine_bytes() -> None:
@@ -56,9 +56,14 @@ def test_a_frame_that_cannot_be_cut_is_encoded_whole(monkeypatch: pytest.MonkeyP
     # A negative placeholder is written 0xcb 0xbf ..., which UTF-8 text can hold: a
     # scope that contains it must not be cut there.
     placeholder = struct.unpack(">d", b"\xbfaaaaaaa")[0]
-    monkeypatch.setattr(_socket, "_PLACEHOLDER", placeholder)
-    monkeypatch.setattr(_socket, "_acquire_frames", {})
+    monkeypatch.setattr(_frames, "_PLACEHOLDER", placeholder)
+    monkeypatch.setattr(_frames, "_acquire_frames", {})
     scope = "\u02ffaaaaaaa"
     assert scope.encode() == msgspec.msgpack.encode(placeholder)
-    assert _socket._acquire_frame(scope, 1.7e9, 9) == encoded(p.Acquire(scope, 1.7e9, 9))
-    assert _socket._acquire_frames[(scope, 9)] is None
+    assert _frames.acquire_frame(scope, 1.7e9, 9) == encoded(p.Acquire(scope, 1.7e9, 9))
+    assert _frames._acquire_frames[(scope, 9)] is None
+
+
+def test_a_cached_release_is_the_struct_encoded() -> None:
+    assert _frames.release_frame("step") == encoded(p.Release("step"))
+    assert _frames.release_frame("step") is _frames.release_frame("step")
