@@ -8,15 +8,22 @@ import msgspec
 import pytest
 
 from watchdogd.core.rdzv_state import (
+    LastCall,
+    LeaseClock,
     NodeRecord,
     Record,
     RendezvousClosedError,
     RestartCount,
     RoundState,
     asking,
+    barrier_over,
+    barrier_pending,
     count_restart,
     decide,
+    last_call,
     membership,
+    stop_reason,
+    succession_delay,
     waiting_count,
     where,
 )
@@ -252,6 +259,83 @@ def test_a_restart_is_counted_once_per_round() -> None:
     assert counter == RestartCount(count=1, round=0)
     assert count_restart(counter, round=0) is counter  # a second node of the same round
     assert count_restart(counter, round=3) == RestartCount(count=2, round=3)
+
+
+def test_the_last_call_window_opens_at_min_nodes_and_keeps_its_end() -> None:
+    job = Job(min_nodes=2, max_nodes=4)
+    job.ask("a")
+    settings = {"min_nodes": 2, "window": 1.0}
+    assert last_call(job.state, job.records, None, 10.0, **settings) is None  # one of two
+    job.ask("b")
+    opened = last_call(job.state, job.records, None, 10.0, **settings)
+    assert opened == LastCall(round=0, ends=11.0)
+    job.ask("c")  # a later arrival does not push the end back
+    assert last_call(job.state, job.records, opened, 10.5, **settings) is opened
+    job.die("c")
+    job.die("b")  # below min_nodes again: the window is gone, and starts over later
+    assert last_call(job.state, job.records, opened, 10.6, **settings) is None
+
+
+def test_the_last_call_window_closes_with_its_round_and_reopens_for_the_next() -> None:
+    job = formed("a", "b", min_nodes=2, max_nodes=4)
+    settings = {"min_nodes": 2, "window": 1.0}
+    stale = LastCall(round=0, ends=11.0)
+    assert last_call(job.state, job.records, stale, 12.0, **settings) is None  # complete
+    job.ask("a")
+    job.ask("b")
+    state = job.decide()  # every runner came back: round 1 opens
+    assert last_call(state, job.records, stale, 20.0, **settings) == LastCall(1, 21.0)
+
+
+def test_a_node_stops_for_its_fence_first_then_its_lost_lease_then_the_document() -> None:
+    job = formed("a", "b")
+    job.die("b")
+    failed = job.decide()
+    running = formed("a", "b").state
+    assert stop_reason(failed, failed.round, fenced=True, lost=True) == "fenced"
+    assert stop_reason(failed, failed.round, fenced=False, lost=True) == "lost"
+    assert stop_reason(running, running.round, fenced=False, lost=True) == "lost"
+    assert stop_reason(failed, failed.round, fenced=False, lost=False) == "lost"
+    assert stop_reason(running, running.round, fenced=False, lost=False) is None
+
+
+def test_the_exit_barrier_is_over_only_for_the_round_the_node_ran() -> None:
+    job = formed("a", "b", "c", max_nodes=3)
+    job.end("a")
+    job.die("b")
+    assert barrier_pending(job.state.members, job.records) == ["c"]  # the dead count as done
+    assert not barrier_over(job.decide(), 0)
+    job.end("c")
+    assert barrier_pending(job.state.members, job.records) == []
+    state = job.decide()
+    assert barrier_over(state, 0) and not barrier_over(state, 1)
+
+
+def test_the_lease_renews_a_third_of_the_ttl_after_the_last_renewal_was_sent() -> None:
+    clock = LeaseClock(ttl=9, now=100.0)
+    assert clock.renew_in(100.0) == 3.0
+    assert clock.renew_in(104.0) == 0.0  # overdue: at once, never a negative sleep
+    clock.renewed(sent=102.0)
+    assert clock.renew_in(103.0) == 2.0  # from the send, not from the slow answer
+    clock.renewed(sent=101.0)  # an older renewal answered late
+    assert clock.renewed_at == 102.0
+
+
+def test_a_node_fences_itself_a_margin_before_its_lease_can_end() -> None:
+    clock = LeaseClock(ttl=8, now=100.0)
+    assert clock.margin == 2.0  # a quarter of the TTL
+    assert clock.fence_in(100.0) == 6.0
+    assert clock.fence_in(107.0) == -1.0  # past due: fence now
+    clock.renewed(sent=105.0)
+    assert clock.fence_in(107.0) == 4.0
+    assert LeaseClock(ttl=2, now=0.0).margin == 0.5  # never under half a second
+
+
+def test_the_lead_passes_in_rank_order_and_a_newcomer_tries_at_once() -> None:
+    assert succession_delay(None) == 0.0
+    assert succession_delay(0) == 0.0
+    assert succession_delay(3) == pytest.approx(0.03)
+    assert succession_delay(100) == succession_delay(5000) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(

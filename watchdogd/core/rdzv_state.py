@@ -38,17 +38,36 @@ Rules
 - The dead (their key is gone) are in no list: a round never waits for them.
 - Once ``closed``, no round opens or completes (every attempt to join raises
   :class:`RendezvousClosedError`); the exit barrier still ends.
+
+Leases and the lead
+-------------------
+- A node renews its lease a third of the TTL after it sent the last renewal
+  that succeeded (:class:`LeaseClock`). The lease lives on etcd's clock from
+  the moment etcd took that renewal, which is after this node sent it, so
+  the send time plus the TTL bounds the lease's end from below (both clocks
+  run at the same rate to within NTP's 500 ppm). A node that has not renewed
+  by ``margin`` before that bound fences itself: it stops its workers before
+  the others can have dropped it and re-formed without it.
+- A node running a round stops for its fence first, then for its own lost
+  lease, then for what the round document says (:func:`stop_reason`).
+- When the ``leader`` key is free, the members of the last round try to take
+  it in rank order, 10 ms apart (:func:`succession_delay`),
+  so that one node takes the lead, not a thousand at once.
+- The leader opens a round's last-call window when ``min_nodes`` ask, on its
+  own monotonic clock (:func:`last_call`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import msgspec
 
 __all__ = [
     "Change",
+    "LastCall",
+    "LeaseClock",
     "NodeRecord",
     "Record",
     "RendezvousClosedError",
@@ -60,12 +79,20 @@ __all__ = [
     "Where",
     "asking",
     "asking_count",
+    "barrier_over",
+    "barrier_pending",
     "count_restart",
     "decide",
+    "last_call",
     "membership",
+    "stop_reason",
+    "succession_delay",
     "waiting_count",
     "where",
 ]
+
+_SUCCESSION_STEP = 0.01  # seconds between two ranks' tries to take a free lead
+_SUCCESSION_RANKS = 100  # ranks past this one try together, a second after the lead fell free
 
 
 class RendezvousError(Exception):
@@ -238,6 +265,34 @@ def where(state: RoundState, node: str, asks_after: int) -> Where:
     return "running" if node in state.members else "waiting"
 
 
+class LastCall(NamedTuple):
+    """The last-call window of an open round: it completes with ``min_nodes`` at ``ends``."""
+
+    round: int
+    ends: float
+
+
+def last_call(
+    state: RoundState,
+    records: Mapping[str, Record],
+    previous: LastCall | None,
+    now: float,
+    *,
+    min_nodes: int,
+    window: float,
+) -> LastCall | None:
+    """The open round's last-call window: opened at ``now`` when ``min_nodes`` ask.
+
+    None while the round is complete or too few ask (a window that opened
+    and then lost an asking node starts over once enough ask again).
+    """
+    if state.complete or asking_count(state, records) < min_nodes:
+        return None
+    if previous is None or previous.round != state.round:
+        return LastCall(state.round, now + window)
+    return previous
+
+
 def waiting_count(state: RoundState, round: int) -> int:
     """Nodes waiting for a new round of ``round`` that it would take (torch's meaning)."""
     if state.round != round or not state.complete:
@@ -256,8 +311,62 @@ def membership(state: RoundState, round: int) -> Change | None:
     return None
 
 
+def stop_reason(state: RoundState, round: int, *, fenced: bool, lost: bool) -> Change | None:
+    """Why a node running ``round`` should stop: its fence, its own lost lease, the document."""
+    if fenced:
+        return "fenced"
+    if lost:
+        return "lost"
+    return membership(state, round)
+
+
+def barrier_over(state: RoundState, round: int) -> bool:
+    """Every member of ``round`` ended or died: the leader said so in the document."""
+    return state.round == round and state.ended
+
+
+def barrier_pending(members: Sequence[str], records: Mapping[str, Record]) -> list[str]:
+    """The members the exit barrier still waits for: alive and not ended."""
+    return [node for node in members if node in records and not records[node].value.ended]
+
+
 def count_restart(counter: RestartCount, round: int) -> RestartCount:
     """Count the failure of ``round`` once, however many nodes report it."""
     if counter.round >= round:
         return counter
     return RestartCount(count=counter.count + 1, round=round)
+
+
+class LeaseClock:
+    """When this node renews its lease and when it fences itself, on the monotonic clock.
+
+    ``renewed_at`` is the send time of the last renewal that succeeded (see
+    the module docstring for why the send time, and why ``margin``).
+    """
+
+    def __init__(self, ttl: int, now: float) -> None:
+        self.ttl = ttl
+        self.margin = max(0.5, ttl / 4)
+        self.renewed_at = now
+
+    def renewed(self, sent: float) -> None:
+        """A renewal sent at ``sent`` succeeded (one answered late never moves it back)."""
+        self.renewed_at = max(self.renewed_at, sent)
+
+    def renew_in(self, now: float) -> float:
+        """Seconds to the next renewal: a third of the TTL after the last one was sent."""
+        return max(0.0, self.renewed_at + self.ttl / 3 - now)
+
+    def fence_in(self, now: float) -> float:
+        """Seconds until this node must fence itself (zero or less: now)."""
+        return self.renewed_at + self.ttl - self.margin - now
+
+
+def succession_delay(rank: int | None) -> float:
+    """How long a node with this rank in the last round lets others take a free lead.
+
+    A node in no round yet tries at once; the others see it taken and never ask.
+    """
+    if rank is None:
+        return 0.0
+    return _SUCCESSION_STEP * min(rank, _SUCCESSION_RANKS)

@@ -3,23 +3,15 @@
 One :class:`EtcdRendezvous` per node and job, selected by torchrun's flags
 ``--rdzv-backend etcd --rdzv-endpoint HOST:PORT[,HOST:PORT…] --rdzv-id RUN
 --nnodes MIN:MAX`` (:func:`parse_endpoints`, :func:`parse_nnodes`). Its keys
-live under ``/watchdogd/rdzv/<run id>/``:
-
-- ``nodes/<node>``: one key per live node, on a lease kept alive from the
-  event loop, holding what the node asks for
-  (:class:`~watchdogd.core.rdzv_state.NodeRecord`); when a node dies or is
-  cut off, etcd deletes it after the TTL;
-- ``leader``: the node that decides the rounds, on its lease (the first to
-  create the key; when its lease ends, the members of the last round try
-  in rank order, 10 ms apart, and the first one takes it);
-- ``state``: the round document (:class:`~watchdogd.core.rdzv_state.RoundState`),
-  written by the leader by compare-and-swap; the rules are in
-  :mod:`watchdogd.core.rdzv_state`;
-- ``restarts``: the job's restart count, one per failed round;
-- ``stragglers/<node>``: the node's straggler summary
-  (:class:`~watchdogd.core.job_stragglers.NodeSummary`), rewritten once per
-  ``straggler_publish_interval`` on the node's lease, so a dead node's
-  disappears with it (:meth:`EtcdRendezvous.share_summary`).
+live under ``/watchdogd/rdzv/<run id>/``: every node's record (``nodes/``),
+the ``leader``, the round document (``state``), the job's ``restarts`` and
+the nodes' straggler summaries (``stragglers/``, :meth:`EtcdRendezvous.share_summary`);
+:mod:`~watchdogd.groups.etcd_documents` says what each holds. This class
+composes three parts: this node's leased record and its self-fence
+(:class:`~watchdogd.groups.etcd_lease.NodeLease`), the lead that writes the
+round document (:class:`~watchdogd.groups.etcd_leader.RoundLeader`), and, here,
+the node's own side of the rounds, the job-wide state and the exit barrier.
+The rules of the rounds are pure, in :mod:`watchdogd.core.rdzv_state`.
 
 Each node watches two keys, ``state`` and ``leader``, and, once its group
 publishes straggler summaries, the ``stragglers/`` keys; only the leader
@@ -74,9 +66,7 @@ behind, so a late node learns the job is over rather than starting it anew.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -96,24 +86,29 @@ from watchdogd.core.rdzv_state import (
     RendezvousConnectionError,
     RendezvousError,
     RendezvousTimeoutError,
-    RestartCount,
     RoundState,
     asking,
-    asking_count,
-    count_restart,
-    decide,
-    membership,
+    barrier_over,
+    barrier_pending,
+    stop_reason,
     waiting_count,
     where,
 )
 from watchdogd.core.workerenv import Placement
-from watchdogd.groups.etcd_store import (
-    EtcdStore,
-    KeyValue,
-    Mirror,
-    lease_not_found,
-    parse_endpoints,
+from watchdogd.groups.etcd_documents import (
+    STATE,
+    STRAGGLERS,
+    close_run,
+    count_failure,
+    read_records,
+    run_closed,
+    run_prefix,
+    state_of,
+    summaries_of,
 )
+from watchdogd.groups.etcd_leader import RoundLeader
+from watchdogd.groups.etcd_lease import NodeLease
+from watchdogd.groups.etcd_store import EtcdStore, Mirror, lease_not_found, parse_endpoints
 from watchdogd_client.events import NodeState, RdzvEvent
 
 __all__ = [
@@ -128,11 +123,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("watchdogd.rendezvous")
-
-_REVOKE_TIMEOUT = 2.0
-_DECISION_BATCH = 0.01
-_SUCCESSION_STEP = 0.01
-_SUCCESSION_RANKS = 100
 
 
 class RendezvousResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,29 +145,6 @@ class RendezvousResult(msgspec.Struct, frozen=True, kw_only=True):
             master_port=self.master_port,
             run_id=self.run_id,
         )
-
-
-_encoder = msgspec.json.Encoder()
-_state_decoder = msgspec.json.Decoder(RoundState)
-_record_decoder = msgspec.json.Decoder(NodeRecord)
-_restarts_decoder = msgspec.json.Decoder(RestartCount)
-_NODES = "nodes/"
-_STATE = "state"
-_LEADER = "leader"
-_RESTARTS = "restarts"
-_STRAGGLERS = "stragglers/"
-
-
-def _state_of(found: KeyValue | None) -> RoundState:
-    return _state_decoder.decode(found.value) if found else RoundState()
-
-
-def _restarts_of(found: KeyValue | None) -> RestartCount:
-    return _restarts_decoder.decode(found.value) if found else RestartCount()
-
-
-def _record_of(found: KeyValue) -> Record:
-    return Record(_record_decoder.decode(found.value), found.mod_revision)
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -231,9 +198,6 @@ class EtcdRendezvous:
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
         self.node_name = node_name
-        self.node_id = self._new_id()
-        """Unique per registration (``name:pid:random``): a node cut off long enough
-        to lose its lease comes back under a new one, as a new member."""
         self.advertise_addr = advertise_addr
         self.lease_ttl = lease_ttl
         self.last_call = last_call
@@ -244,46 +208,57 @@ class EtcdRendezvous:
         self._hostname = socket.gethostname()
         self._store = EtcdStore(
             parse_endpoints(joined),
-            f"/watchdogd/rdzv/{run_id}/",
+            run_prefix(run_id),
             call_timeout=call_timeout,
             on_outage=self._on_outage,
         )
-        self._record = NodeRecord(
+        record = NodeRecord(
             name=node_name, hostname=self._hostname, pid=os.getpid(), addr=advertise_addr
         )
-        self._lease = 0
-        self._register_lock = anyio.Lock()
+        self._lease = NodeLease(
+            self._store,
+            record,
+            lease_ttl,
+            emit=self._emit,
+            on_lost=self._lost_lease,
+            on_fenced=self._fenced,
+        )
+        self._leader = RoundLeader(
+            self._store,
+            self._lease,
+            run_id=run_id,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            last_call=last_call,
+        )
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         # What this node watches: the round document (and the leader key's end).
-        self._state_mirror = Mirror(_STATE)
+        self._state_mirror = Mirror(STATE)
         self._state = RoundState()
         self._changed = anyio.Event()
-        # Leadership: whoever the ``leader`` key names, watched by every node.
-        self._leader_mirror = Mirror(_LEADER)
-        self._lead_scope: anyio.CancelScope | None = None
         # The other nodes' straggler summaries: watched from the first publication on.
         self._summaries: Mirror | None = None
-        # The last round this node ran in: number, members, its rank.
+        # The last round this node ran in: number, members (its rank is the leader's).
         self._round: int | None = None
         self._members: tuple[str, ...] = ()
-        self._rank: int | None = None
         self._lost_self = False
-        # Self-fencing: the lease lives on etcd's clock from the moment etcd took a
-        # renewal, which is after this node sent it. So the send time of the last
-        # renewal that succeeded, plus the TTL, bounds the lease's end from below
-        # (both clocks run at the same rate to within NTP's 500 ppm): stopping the
-        # workers a margin before that, on the monotonic clock, stops them before
-        # the others can have dropped this node and re-formed without it.
-        self.fence_margin = max(0.5, lease_ttl / 4)
-        self.fenced_since: float | None = None
-        """Wall-clock time this node fenced itself (None: it is not fenced)."""
-        self._renewed_at = time.monotonic()
-        self._renewal = anyio.Event()
-        self._fenced = anyio.Event()
 
-    def _new_id(self) -> str:
-        return f"{self.node_name.replace('/', '_')}:{os.getpid()}:{secrets.token_hex(3)}"
+    @property
+    def node_id(self) -> str:
+        """Unique per registration (``name:pid:random``): a node cut off long enough
+        to lose its lease comes back under a new one, as a new member."""
+        return self._lease.node_id
+
+    @property
+    def fenced_since(self) -> float | None:
+        """Wall-clock time this node fenced itself (None: it is not fenced)."""
+        return self._lease.fenced_since
+
+    @property
+    def leading(self) -> bool:
+        """This node holds the ``leader`` key and decides the rounds (not while fenced)."""
+        return self._leader.leading
 
     # -- lifetime ----------------------------------------------------------------
 
@@ -291,14 +266,13 @@ class EtcdRendezvous:
         """Register this node (a leased key), start the watches, the keep-alive, the lead."""
         async with AsyncExitStack() as stack:
             stack.push_async_callback(self._store.aclose)
-            await self._publish(time.monotonic() + self.etcd_timeout, fresh=True)
-            stack.push_async_callback(self._revoke)
+            await self._lease.publish(time.monotonic() + self.etcd_timeout, fresh=True)
+            stack.push_async_callback(self._lease.revoke)
             self._task_group = await stack.enter_async_context(anyio.create_task_group())
             await self._task_group.start(self._follow_state)
-            await self._task_group.start(self._leader_mirror.run, self._store)
-            self._task_group.start_soon(self._keep_alive)
-            self._task_group.start_soon(self._fence_when_unrenewed)
-            self._task_group.start_soon(self._lead)
+            await self._task_group.start(self._leader.run)
+            self._task_group.start_soon(self._lease.keep_alive)
+            self._task_group.start_soon(self._lease.fence_when_unrenewed)
             self._stack = stack.pop_all()
         return self
 
@@ -313,87 +287,15 @@ class EtcdRendezvous:
         self._task_group.cancel_scope.cancel()
         await self._stack.__aexit__(exc_type, exc, tb)
 
-    async def _publish(self, deadline: float = math.inf, *, fresh: bool = False) -> None:
-        """Write this node's record; ``fresh``: on a new lease, under a new id (at start,
-        and after the lease was lost)."""
-        async with self._register_lock:
-            while True:
-                lease, node_id, sent = self._lease, self.node_id, 0.0
-                if fresh:
-                    lease, sent = await self._store.grant(self.lease_ttl, deadline=deadline)
-                    node_id = self._new_id()
-                record = _encoder.encode(self._record)
-                try:
-                    await self._store.put(_NODES + node_id, record, lease=lease, deadline=deadline)
-                except Exception as e:
-                    if lease_not_found(e):
-                        fresh = True  # it expired (before the key was on it, or while cut off)
-                        continue
-                    raise
-                if fresh:
-                    self._lease, self.node_id = lease, node_id
-                    self._renewed(sent)
-                return
+    def _lost_lease(self) -> None:
+        """etcd let the lease expire (this node was cut off): the others dropped it."""
+        self._lost_self = True
+        self._leader.step_down()
+        self._notify()
 
-    async def _revoke(self) -> None:
-        with anyio.CancelScope(shield=True):
-            try:
-                await self._store.revoke(self._lease, deadline=time.monotonic() + _REVOKE_TIMEOUT)
-            except RendezvousConnectionError as e:
-                log.warning(
-                    "could not revoke the lease; etcd drops it in %ds: %s", self.lease_ttl, e
-                )
-
-    async def _keep_alive(self) -> None:
-        while True:
-            # A third of the TTL after the last renewal, not after a slow call's end.
-            await anyio.sleep(max(0.0, self._renewed_at + self.lease_ttl / 3 - time.monotonic()))
-            ttl, sent = await self._store.refresh(self._lease)
-            if ttl > 0:
-                self._renewed(sent)
-            else:
-                # etcd let the lease expire (we were cut off): the others dropped us.
-                self._lost_self = True
-                self._step_down()
-                self._emit(
-                    "node_lost",
-                    f"{self.node_id}: lease expired while cut off from etcd; re-registering",
-                    NodeState.FAILED,
-                )
-                self._notify()
-                await self._publish(fresh=True)
-
-    def _renewed(self, sent: float) -> None:
-        self._renewed_at = max(self._renewed_at, sent)
-        self._renewal.set()
-        self._renewal = anyio.Event()
-        if self.fenced_since is not None:
-            self.fenced_since = None
-            self._fenced = anyio.Event()
-            self._emit("unfenced", f"{self.node_id}: etcd renews this node again", NodeState.INIT)
-
-    async def _fence_when_unrenewed(self) -> None:
-        """Fence this node ``fence_margin`` before its lease can have run out on etcd."""
-        while True:
-            if self.fenced_since is not None:
-                await self._renewal.wait()  # which unfences it
-                continue
-            left = self._renewed_at + self.lease_ttl - self.fence_margin - time.monotonic()
-            if left > 0:
-                with anyio.move_on_after(left):
-                    await self._renewal.wait()
-                continue
-            self.fenced_since = time.time()
-            self._step_down()  # the others may soon elect another leader
-            unrenewed = time.monotonic() - self._renewed_at
-            self._emit(
-                "fenced",
-                f"{self.node_id}: no lease renewal for {unrenewed:.1f} s (TTL {self.lease_ttl} s): "
-                "its workers are stopped before the others can have re-formed without it",
-                NodeState.FAILED,
-            )
-            self._fenced.set()
-            self._notify()
+    def _fenced(self) -> None:
+        self._leader.step_down()  # the others may soon elect another leader
+        self._notify()
 
     # -- what every node watches -------------------------------------------------
 
@@ -413,108 +315,9 @@ class EtcdRendezvous:
             task_status.started()
             while True:
                 revision = self._state_mirror.revision
-                found = self._state_mirror.values.get(_STATE)
-                self._state = _state_of(found)
+                self._state = state_of(self._state_mirror.values.get(STATE))
                 self._notify()
                 await self._state_mirror.wait_past(revision)
-
-    # -- the leader --------------------------------------------------------------
-
-    @property
-    def leading(self) -> bool:
-        """This node holds the ``leader`` key and decides the rounds (not while fenced)."""
-        holder = self._leader_mirror.values.get(_LEADER)
-        mine = holder is not None and holder.value == self.node_id.encode()
-        return mine and self.fenced_since is None
-
-    def _step_down(self) -> None:
-        if self._lead_scope is not None:
-            self._lead_scope.cancel()
-
-    def _succession_delay(self) -> float:
-        """How long this node lets others take a free lead before it tries.
-
-        The members of the last round try in rank order, a step apart, so
-        that one node takes the lead, not a thousand at once; the others
-        see it taken and never ask. A node in no round yet tries at once.
-        """
-        if self._rank is None:
-            return 0.0
-        return _SUCCESSION_STEP * min(self._rank, _SUCCESSION_RANKS)
-
-    async def _lead(self) -> None:
-        """Take the ``leader`` key whenever it is free; decide the rounds while it is ours."""
-        leader = self._leader_mirror
-        while True:
-            revision = leader.revision
-            if self.fenced_since is not None:
-                await self._renewal.wait()
-            elif self.leading:
-                with anyio.CancelScope() as self._lead_scope:  # cancelled by a fence
-                    log.info("%s leads rendezvous %s", self.node_id, self.run_id)
-                    async with anyio.create_task_group() as tg:
-                        tg.start_soon(self._decide_rounds)
-                        await leader.wait_past(revision)  # the key changed: look again
-                        tg.cancel_scope.cancel()
-                self._lead_scope = None
-            elif _LEADER in leader.values:
-                await leader.wait_past(revision)
-            else:
-                with anyio.move_on_after(self._succession_delay()):
-                    await leader.wait_past(revision)
-                if _LEADER not in leader.values:
-                    await self._store.create(_LEADER, self.node_id.encode(), lease=self._lease)
-                    await leader.wait_past(revision)  # ours or another's: the watch says
-
-    async def _decide_rounds(self) -> None:
-        """Watch every key, and write the round document whenever :func:`decide` changes it."""
-        mirror = Mirror(ignore=_STRAGGLERS)  # they change every interval, and decide nothing
-        records: dict[str, Record] = {}
-        last_call: tuple[int, float] | None = None  # (round, when its window ends)
-        async with anyio.create_task_group() as tg:
-            await tg.start(mirror.run, self._store)
-            while True:
-                revision = mirror.revision
-                for name in mirror.changed:  # decoded once per change, not per decision
-                    node = name.removeprefix(_NODES)
-                    if node == name:
-                        continue
-                    kv = mirror.values.get(name)
-                    if kv is None:
-                        records.pop(node, None)
-                    else:
-                        records[node] = _record_of(kv)
-                mirror.changed.clear()
-                found = mirror.values.get(_STATE)
-                state = _state_of(found)
-                restarts = _restarts_of(mirror.values.get(_RESTARTS)).count
-                now = time.monotonic()
-                if state.complete or asking_count(state, records) < self.min_nodes:
-                    last_call = None
-                elif last_call is None or last_call[0] != state.round:
-                    last_call = (state.round, now + self.last_call)
-                decided = decide(
-                    state,
-                    records,
-                    restarts,
-                    min_nodes=self.min_nodes,
-                    max_nodes=self.max_nodes,
-                    last_call_over=last_call is not None and now >= last_call[1],
-                )
-                if decided != state:
-                    # Written or not (a node closed the run meanwhile), the mirror
-                    # moves past ``revision`` before the next decision.
-                    await self._store.cas(
-                        _STATE, found.mod_revision if found else 0, _encoder.encode(decided)
-                    )
-                    await mirror.wait_past(revision)
-                    continue
-                wake = last_call[1] - now if last_call is not None else math.inf
-                with anyio.move_on_after(wake):
-                    await mirror.wait_past(revision)
-                    # A burst of records (a thousand nodes asking at once) makes
-                    # one decision, not one each: every decision reads them all.
-                    await anyio.sleep(_DECISION_BATCH)
 
     # -- rendezvous --------------------------------------------------------------
 
@@ -531,10 +334,14 @@ class EtcdRendezvous:
         after = -1 if self._round is None else self._round
         if self._state.closed:
             raise self._closed()
-        self._record = msgspec.structs.replace(
-            self._record, port=master_port, asks_after=after, rank=self._rank, ended=False
+        self._lease.record = msgspec.structs.replace(
+            self._lease.record,
+            port=master_port,
+            asks_after=after,
+            rank=self._leader.rank,
+            ended=False,
         )
-        await self._publish(deadline)
+        await self._lease.publish(deadline)
         self._emit(
             "join", f"{self.node_id} asks for a place in a round after {after}", NodeState.INIT
         )
@@ -557,7 +364,7 @@ class EtcdRendezvous:
 
     def _ran(self, state: RoundState) -> RendezvousResult:
         rank = state.members.index(self.node_id)
-        self._round, self._members, self._rank = state.round, state.members, rank
+        self._round, self._members, self._leader.rank = state.round, state.members, rank
         self._lost_self = False
         result = RendezvousResult(
             run_id=self.run_id,
@@ -595,9 +402,7 @@ class EtcdRendezvous:
         return RendezvousTimeoutError(message)
 
     async def _records(self) -> dict[str, Record]:
-        """Every node's record, read once (for messages: decisions use the leader's watch)."""
-        listing = await self._store.read_all(_NODES, deadline=time.monotonic() + self.etcd_timeout)
-        return {name.removeprefix(_NODES): _record_of(kv) for name, kv in listing.values.items()}
+        return await read_records(self._store, deadline=time.monotonic() + self.etcd_timeout)
 
     async def _asking(self, state: RoundState) -> list[str]:
         try:
@@ -625,13 +430,8 @@ class EtcdRendezvous:
             raise RuntimeError("wait_for_membership_change() before next_rendezvous()")
         while True:
             state = self._state
-            change: Change | None
-            if self.fenced_since is not None:
-                change = "fenced"
-            elif self._lost_self:
-                change = "lost"
-            else:
-                change = membership(state, self._round)
+            fenced = self.fenced_since is not None
+            change = stop_reason(state, self._round, fenced=fenced, lost=self._lost_self)
             if change is not None:
                 self._report(change, state)
                 return change
@@ -662,13 +462,13 @@ class EtcdRendezvous:
         """
         if self._summaries is None:
             assert self._task_group is not None
-            self._summaries = Mirror(_STRAGGLERS)
+            self._summaries = Mirror(STRAGGLERS)
             await self._task_group.start(self._summaries.run, self._store)
         try:
             await self._store.put(
-                _STRAGGLERS + self.node_id,
+                STRAGGLERS + self.node_id,
                 summary,
-                lease=self._lease,
+                lease=self._lease.lease,
                 deadline=time.monotonic() + self.lease_ttl,
             )
         except RendezvousConnectionError:
@@ -676,32 +476,17 @@ class EtcdRendezvous:
         except Exception as e:
             if not lease_not_found(e):
                 log.warning("straggler summary of %s not written: %s", self.node_id, e)
-        mine = _STRAGGLERS + self.node_id
-        return {
-            name.removeprefix(_STRAGGLERS): kv.value
-            for name, kv in self._summaries.values.items()
-            if name != mine
-        }
+        return summaries_of(self._summaries, self.node_id)
 
     # -- job-wide state ----------------------------------------------------------
 
     async def set_closed(self) -> None:
         """Close the rendezvous: every node's next round attempt fails, running ones stop."""
-        deadline = time.monotonic() + self.etcd_timeout
-        while True:
-            found = await self._store.get(_STATE, deadline=deadline)
-            state = _state_of(found)
-            if state.closed:
-                return
-            closed = _encoder.encode(msgspec.structs.replace(state, closed=True))
-            revision = found.mod_revision if found else 0
-            if await self._store.cas(_STATE, revision, closed, deadline=deadline):
-                self._emit("closed", f"{self.node_id} closed the rendezvous", NodeState.RUNNING)
-                return
+        if await close_run(self._store, deadline=time.monotonic() + self.etcd_timeout):
+            self._emit("closed", f"{self.node_id} closed the rendezvous", NodeState.RUNNING)
 
     async def is_closed(self) -> bool:
-        found = await self._store.get(_STATE, deadline=time.monotonic() + self.etcd_timeout)
-        return _state_of(found).closed
+        return await run_closed(self._store, deadline=time.monotonic() + self.etcd_timeout)
 
     async def add_restart(self) -> int:
         """Count the failure of this node's round, once for the whole job; the new total.
@@ -713,17 +498,7 @@ class EtcdRendezvous:
         if self._round is None:
             raise RuntimeError("add_restart() before next_rendezvous()")
         deadline = time.monotonic() + self.etcd_timeout
-        while True:
-            found = await self._store.get(_RESTARTS, deadline=deadline)
-            counter = _restarts_of(found)
-            counted = count_restart(counter, self._round)
-            if counted == counter:
-                return counted.count
-            revision = found.mod_revision if found else 0
-            if await self._store.cas(
-                _RESTARTS, revision, _encoder.encode(counted), deadline=deadline
-            ):
-                return counted.count
+        return await count_failure(self._store, self._round, deadline=deadline)
 
     async def exit_barrier(self, outcome: NodeState = NodeState.SUCCEEDED) -> bool:
         """Record that this node's group ended, then wait for every member of its round.
@@ -737,11 +512,12 @@ class EtcdRendezvous:
         started = time.monotonic()
         done = False
         with anyio.move_on_after(self.exit_barrier_timeout):
-            self._record = msgspec.structs.replace(self._record, asks_after=None, ended=True)
-            await self._publish()
+            self._lease.record = msgspec.structs.replace(
+                self._lease.record, asks_after=None, ended=True
+            )
+            await self._lease.publish()
             while not done:
-                state = self._state
-                done = state.round == self._round and state.ended
+                done = barrier_over(self._state, self._round)
                 if not done:
                     await self._news()
         waited = time.monotonic() - started
@@ -759,7 +535,7 @@ class EtcdRendezvous:
             records = await self._records()
         except RendezvousConnectionError:
             return list(self._members)
-        return [m for m in self._members if m in records and not records[m].value.ended]
+        return barrier_pending(self._members, records)
 
     # -- events ------------------------------------------------------------------
 
