@@ -119,7 +119,8 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     shutdown_timeout: Annotated[float, msgspec.Meta(ge=0)] | None = None
     """None: ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30 s."""
     signals_to_handle: str = DEFAULT_SIGNALS
-    exit_barrier_timeout: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    exit_barrier_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """Multi-node: how long a finished node waits for the others (None: the group's default)."""
     uninterruptible_state_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     idle_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     job_key: str | None = None
@@ -307,6 +308,28 @@ def _rendezvous(options: RunOptions, host: Host) -> dict[str, object]:
     }
 
 
+# GroupSpec's (and its RendezvousSpec's) names for options named otherwise.
+_OPTION_OF = {
+    "name": "role",
+    "nproc": "nproc_per_node",
+    "entrypoint": "script",
+    "nnodes": "max_nodes",
+    "endpoints": "rdzv_endpoint",
+    "advertise_addr": "local_addr",
+    "c10d": "rdzv_conf",
+}
+
+
+def _spec_error(error: msgspec.ValidationError) -> ValueError:
+    """A GroupSpec's complaint about one of its fields, as the option's."""
+    message, at, path = str(error).partition(" - at `$.")
+    names = [part.split("[")[0] for part in path.rstrip("`").split(".")]
+    if not at or names == ["rendezvous"]:  # a rule across fields: the message names them
+        return ValueError(message)
+    name = names[-1] if names[0] == "rendezvous" else names[0]
+    return OptionsError(_OPTION_OF.get(name, name), message)
+
+
 def group_spec(options: RunOptions, host: Host) -> GroupSpec:
     """The group torchrun would launch for ``options`` on ``host``; ValueError names a field."""
     nproc = _nproc(options, host)
@@ -339,7 +362,6 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
         "virtual_local_rank": options.virtual_local_rank,
         "numa_binding": options.numa_binding,
         "shutdown_timeout": shutdown_timeout,
-        "exit_barrier_timeout": options.exit_barrier_timeout,
         "uninterruptible_state_timeout": options.uninterruptible_state_timeout,
         "duplicate_stdout_filters": options.duplicate_stdout_filters,
         "duplicate_stderr_filters": options.duplicate_stderr_filters,
@@ -351,10 +373,12 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
         "faults": options.faults,
         "rendezvous": _rendezvous(options, host),
     }
+    if options.exit_barrier_timeout is not None:
+        table["exit_barrier_timeout"] = options.exit_barrier_timeout
     try:
-        spec = msgspec.convert(table, GroupSpec, from_attributes=True)
+        spec = msgspec.convert(table, GroupSpec)
     except msgspec.ValidationError as e:
-        raise ValueError(str(e)) from None
+        raise _spec_error(e) from None
     return apply_env_knobs(spec, host.environ)
 
 
