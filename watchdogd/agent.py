@@ -241,13 +241,14 @@ class LocalElasticAgent:
             shutdown_timeout=self._shutdown_timeout,
             **_rendezvous(spec.rdzv_handler, spec.local_addr),
         )
+        master = {"master_addr": spec.master_addr, "master_port": spec.master_port}
         result = run_launch(
             config,
             spec.entrypoint,
             list(spec.args),
-            master=(spec.master_addr, spec.master_port),
             exit_barrier_timeout=self._exit_barrier_timeout,
             uninterruptible_state_timeout=self._uninterruptible_state_timeout,
+            **{key: value for key, value in master.items() if value is not None},
         )
         if result.state is GroupState.SUCCEEDED:
             return RunResult(WorkerState.SUCCEEDED, return_values=result.values)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -20,18 +21,18 @@ from functools import partial
 from pathlib import Path
 
 import anyio
-import msgspec
 from anyio.from_thread import start_blocking_portal
 
-from watchdogd.core.config import Config
+from watchdogd.core.config import Config, override
 from watchdogd.core.ports import GroupError
+from watchdogd.core.run_options import Host
 from watchdogd.daemon import Daemon
-from watchdogd.groups.runner import GroupRunner
+from watchdogd.groups.runner import GroupRunner, visible_gpus
 from watchdogd.groups.starters import WorkerStarter
 from watchdogd.linux import aio as _aio
 from watchdogd_client.groups import GroupSpec, GroupState
 
-__all__ = ["Outcome", "run_group"]
+__all__ = ["Outcome", "run_group", "this_host"]
 
 
 @dataclass
@@ -51,22 +52,39 @@ class Outcome:
     """The daemon that ran it, stopped: its events and timeline remain."""
 
 
+def this_host() -> Host:
+    """What this machine contributes to a group spec: its environment, GPUs, CPUs."""
+    return Host(
+        environ=os.environ,
+        gpus=visible_gpus(),
+        cpus=os.cpu_count() or 1,
+        executable=sys.executable,
+        make_log_dir=partial(tempfile.mkdtemp, prefix="watchdogd-logs-"),
+    )
+
+
 def _run_config(config: Config, spec: GroupSpec) -> tuple[Config, Path | None]:
     """The config with a private runtime dir unless one is set; that dir, if made."""
+    changes: dict[str, object] = {}
     timer_file = os.environ.get("TORCHELASTIC_TIMER_FILE")
     if timer_file and config.fifo is None:
-        config = msgspec.structs.replace(config, fifo=timer_file)  # serve torch's path
+        changes["fifo"] = timer_file  # serve torch's path
     health_port = os.environ.get("TORCHELASTIC_HEALTH_CHECK_PORT")
     if health_port and config.metrics_listen is None:
-        config = msgspec.structs.replace(config, metrics_listen=health_port)
+        changes["metrics_listen"] = health_port
     runtime_dir = None
     if config.runtime_dir is None and config.socket is None:
         runtime_dir = Path(tempfile.mkdtemp(prefix="watchdogd-run-"))
-        config = msgspec.structs.replace(config, runtime_dir=str(runtime_dir))
+        changes["runtime_dir"] = str(runtime_dir)
     if config.state_dir is None:
         state_dir = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
-        config = msgspec.structs.replace(config, state_dir=str(state_dir) if state_dir else None)
-    return config, runtime_dir
+        changes["state_dir"] = str(state_dir) if state_dir else None
+    try:
+        return override(config, "the run's environment", **changes), runtime_dir
+    except BaseException:
+        if runtime_dir is not None:
+            shutil.rmtree(runtime_dir)
+        raise
 
 
 def run_group(

@@ -25,7 +25,6 @@ they expect), else :class:`ChildFailedError` of the same shape from here.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import enum
 import logging
@@ -44,18 +43,29 @@ from datetime import UTC, datetime
 from functools import partial
 from multiprocessing import reduction
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import anyio
 import anyio.to_thread
 import msgspec
 
-from watchdogd.cli.run import add_run_arguments, handled_signals, spec_from_args
 from watchdogd.core.config import Config, ConfigError
 from watchdogd.core.ports import GroupError
-from watchdogd.foreground import run_group
+from watchdogd.core.run_options import (
+    DEFAULT_RDZV_TIMEOUT,
+    DEFAULT_SIGNALS,
+    OptionsError,
+    RunOptions,
+    daemon_config,
+    default_shutdown_timeout,
+    group_spec,
+    handled_signals,
+    run_options,
+    unread_rdzv_conf,
+)
+from watchdogd.foreground import run_group, this_host
 from watchdogd.groups.starters import CallableStarter
-from watchdogd_client.groups import Failure, GroupState
+from watchdogd_client.groups import Failure, GroupSpec, GroupState
 
 __all__ = [
     "ChildFailedError",
@@ -69,13 +79,12 @@ __all__ = [
     "elastic_launch",
     "launch_agent",
     "launch_agent_async",
+    "launch_options",
     "process_failures",
     "run_launch",
 ]
 
 log = logging.getLogger("watchdogd.launcher")
-
-_DEFAULT_RDZV_TIMEOUT = 900  # torch's
 
 
 @dataclass
@@ -87,7 +96,7 @@ class LaunchConfig:
     honoured; None is torch's ``DefaultLogsSpecs()``: streams on the console);
     ``metrics_cfg`` must stay empty; ``numa_options`` is not set for you when
     CUDA is available (watchdogd never imports torch for it: set it, or
-    leave it None for no binding).
+    leave it None for no binding); ``shutdown_timeout`` may be a fraction.
     """
 
     min_nodes: int
@@ -108,19 +117,19 @@ class LaunchConfig:
     local_addr: str | None = None
     event_log_handler: str = "null"
     numa_options: Any = None
-    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    signals_to_handle: str = DEFAULT_SIGNALS
     duplicate_stdout_filters: list[str] | None = None
     duplicate_stderr_filters: list[str] | None = None
     virtual_local_rank: bool = False
-    shutdown_timeout: int | None = None
+    shutdown_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.rdzv_timeout != -1:
             self.rdzv_configs["timeout"] = self.rdzv_timeout
         elif "timeout" not in self.rdzv_configs:
-            self.rdzv_configs["timeout"] = _DEFAULT_RDZV_TIMEOUT
-        if self.shutdown_timeout is None:
-            self.shutdown_timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+            self.rdzv_configs["timeout"] = DEFAULT_RDZV_TIMEOUT
+        if self.shutdown_timeout is None:  # torch's LaunchConfig reads it, as torchrun does
+            self.shutdown_timeout = default_shutdown_timeout(os.environ)
         elif self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
 
@@ -274,19 +283,19 @@ class DefaultLogsSpecs:
         return self._root_log_dir
 
 
-# -- the config as watchdogd run's flags ------------------------------------------------
+# -- the config as run options ----------------------------------------------------------
 
 
 def _std(value: Any) -> str:
-    """torch's ``Std`` (or a map of local rank to ``Std``) as a ``--redirects`` value."""
+    """torch's ``Std`` (or a map of local rank to ``Std``) as a ``redirects`` value."""
     if isinstance(value, dict):
         return ",".join(f"{rank}:{int(std)}" for rank, std in sorted(value.items()))
     return str(int(value))
 
 
-def _logs_flags(logs_specs: Any) -> list[str]:
+def _logs_options(logs_specs: Any) -> dict[str, object]:
     if logs_specs is None:
-        return []
+        return {}
     kind = type(logs_specs)
     torchs = kind.__name__ == "DefaultLogsSpecs" and kind.__module__.startswith("torch.")
     if not torchs and kind is not DefaultLogsSpecs:
@@ -295,33 +304,12 @@ def _logs_flags(logs_specs: Any) -> list[str]:
             "DefaultLogsSpecs (its log_dir, redirects, tee, local_ranks_filter) or None"
         )
     # torch's own attributes: DefaultLogsSpecs offers no public accessor for them.
-    flags = ["--redirects", _std(logs_specs._redirects), "--tee", _std(logs_specs._tee)]
-    if logs_specs._root_log_dir is not None:
-        flags += ["--log-dir", logs_specs._root_log_dir]
-    if logs_specs._local_ranks_filter:
-        flags += [
-            "--local-ranks-filter",
-            ",".join(map(str, sorted(logs_specs._local_ranks_filter))),
-        ]
-    return flags
-
-
-class _Parser(argparse.ArgumentParser):
-    """``watchdogd run``'s parser, for a library call: an error raises, never exits."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ValueError(message)
-
-
-_SWITCHES = frozenset({"--standalone", "--virtual-local-rank"})
-
-
-def _assigned(flags: list[str]) -> list[str]:
-    """``--name value`` pairs as ``--name=value``: a value that starts with ``-`` stays one."""
-    out, items = [], iter(flags)
-    for name in items:
-        out.append(name if name in _SWITCHES else f"{name}={next(items)}")
-    return out
+    return {
+        "redirects": _std(logs_specs._redirects),
+        "tee": _std(logs_specs._tee),
+        "log_dir": logs_specs._root_log_dir,
+        "local_ranks_filter": sorted(logs_specs._local_ranks_filter or ()) or None,
+    }
 
 
 def _single_node(config: LaunchConfig) -> bool:
@@ -330,42 +318,76 @@ def _single_node(config: LaunchConfig) -> bool:
     return config.max_nodes == 1 and host in ("", "localhost", "127.0.0.1", "::1")
 
 
-def _flags(config: LaunchConfig) -> list[str]:
-    """``watchdogd run``'s flags for ``config`` (ValueError names a field it cannot honour)."""
+def _rendezvous_options(config: LaunchConfig) -> dict[str, object]:
+    if _single_node(config):
+        return {"standalone": True}
+    conf = dict(config.rdzv_configs)
+    fields: dict[str, object] = {
+        "rdzv_backend": config.rdzv_backend,
+        "rdzv_endpoint": config.rdzv_endpoint,
+    }
+    if config.rdzv_backend == "static":
+        return {**fields, "node_rank": conf.pop("rank", 0)}
+    if config.rdzv_backend == "c10d" and conf.get("timeout") == DEFAULT_RDZV_TIMEOUT:
+        del conf["timeout"]  # __post_init__'s, which torch's c10d backend never reads
+    return {**fields, "rdzv_conf": {key: str(value) for key, value in conf.items()}}
+
+
+# Options the config names otherwise (the rest: the same name).
+_FIELD_OF = {
+    "script": "entrypoint",
+    "script_args": "args",
+    "rdzv_conf": "rdzv_configs",
+    "numa_binding": "numa_options",
+    "redirects": "logs_specs",
+    "tee": "logs_specs",
+    "log_dir": "logs_specs",
+    "local_ranks_filter": "logs_specs",
+}
+
+
+def _in_config_words(error: ValueError) -> ValueError:
+    if isinstance(error, OptionsError):
+        return ValueError(f"{_FIELD_OF.get(error.field, error.field)}: {error.message}")
+    return error
+
+
+def launch_options(config: LaunchConfig, command: list[str], **options: object) -> RunOptions:
+    """The run ``config`` asks for, of ``command``; ``options``: fields beyond the config's
+    (the agent's ``master_addr``, ``exit_barrier_timeout``, …). No ``PET_*`` variable is
+    read. ValueError names a field it cannot honour."""
     if config.metrics_cfg:
         raise ValueError("metrics_cfg: torch's metrics handlers are not supported; use /metrics")
-    flags = ["--nnodes", f"{config.min_nodes}:{config.max_nodes}"]
-    flags += ["--nproc-per-node", str(config.nproc_per_node)]
-    flags += ["--max-restarts", str(config.max_restarts), "--role", config.role]
-    flags += ["--rdzv-id", config.run_id, "--monitor-interval", str(config.monitor_interval)]
-    conf = dict(config.rdzv_configs)
-    if _single_node(config):
-        flags.append("--standalone")
-    else:
-        flags += ["--rdzv-backend", config.rdzv_backend, "--rdzv-endpoint", config.rdzv_endpoint]
-        if config.rdzv_backend == "static":
-            flags += ["--node-rank", str(conf.pop("rank", 0))]
-        if config.rdzv_backend == "c10d" and conf.get("timeout") == _DEFAULT_RDZV_TIMEOUT:
-            del conf["timeout"]  # __post_init__'s, which torch's c10d backend never reads
-        if config.rdzv_backend != "static" and conf:
-            flags += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
-    if config.local_addr:
-        flags += ["--local-addr", config.local_addr]
-    if config.log_line_prefix_template is not None:
-        flags += ["--log-line-prefix-template", config.log_line_prefix_template]
+    fields = {
+        "script": command[0],
+        "script_args": command[1:],
+        "no_python": True,
+        "min_nodes": config.min_nodes,
+        "max_nodes": config.max_nodes,
+        "nproc_per_node": config.nproc_per_node,
+        "max_restarts": config.max_restarts,
+        "role": config.role,
+        "run_id": config.run_id,
+        "monitor_interval": config.monitor_interval,
+        "start_method": config.start_method,
+        "local_addr": config.local_addr or None,
+        "log_line_prefix_template": config.log_line_prefix_template,
+        "event_log_handler": config.event_log_handler,
+        "signals_to_handle": config.signals_to_handle,
+        "duplicate_stdout_filters": config.duplicate_stdout_filters or [],
+        "duplicate_stderr_filters": config.duplicate_stderr_filters or [],
+        "virtual_local_rank": config.virtual_local_rank,
+        "shutdown_timeout": config.shutdown_timeout,
+        **_rendezvous_options(config),
+        **_logs_options(config.logs_specs),
+        **options,
+    }
     if config.numa_options is not None:
-        flags += ["--numa-binding", str(config.numa_options.affinity_mode.value)]
-    for name, filters in (
-        ("--duplicate-stdout-filters", config.duplicate_stdout_filters),
-        ("--duplicate-stderr-filters", config.duplicate_stderr_filters),
-    ):
-        if filters:  # as torchrun takes them: a filter cannot hold a comma
-            flags += [name, ",".join(filters)]
-    if config.virtual_local_rank:
-        flags.append("--virtual-local-rank")
-    flags += ["--shutdown-timeout", str(config.shutdown_timeout)]
-    flags += ["--signals-to-handle", config.signals_to_handle]
-    return flags + _logs_flags(config.logs_specs)
+        fields["numa_binding"] = config.numa_options.affinity_mode.value
+    try:
+        return run_options(fields)
+    except OptionsError as e:
+        raise _in_config_words(e) from None
 
 
 def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> str:
@@ -426,34 +448,30 @@ def run_launch(
     config: LaunchConfig,
     entrypoint: Callable[..., Any] | str | None,
     args: list[Any],
-    *,
-    master: tuple[str | None, int | None] = (None, None),
-    **spec_fields: Any,
+    **options: object,
 ) -> Result:
-    """Run the job on this node to its end; ``spec_fields`` are group spec fields beyond
-    the config's (the agent's ``exit_barrier_timeout``, …), ``master`` its fixed address."""
+    """Run the job on this node to its end; ``options`` are run options beyond the
+    config's (the agent's ``master_addr``, ``exit_barrier_timeout``, …)."""
     if entrypoint is None:
         raise ValueError("entrypoint: a callable or a program, not None")
     if not config.run_id:
         config.run_id = str(uuid.uuid4().int)
         log.warning("config has no run_id, generated a random run_id: %s", config.run_id)
-    parser = _Parser(prog="watchdogd.launcher")
-    add_run_arguments(parser, environ={})  # torch's launch API reads no PET_* variable
-    flags = _flags(config)
-    master_addr, master_port = master
-    if master_addr is not None:
-        flags += ["--master-addr", master_addr]
-    if master_port is not None:
-        flags += ["--master-port", str(master_port)]
-    signals = handled_signals(config.signals_to_handle)
-    spec = spec_from_args(parser.parse_args([*_assigned(flags), "--no-python", "placeholder"]))
     name = _entrypoint_name(entrypoint, args)
     if isinstance(entrypoint, str):
         command = [entrypoint, *map(str, args)]
-        spec = msgspec.structs.replace(spec, entrypoint=command, **spec_fields)
-        return _launch(config, spec, name, signals, None)
-    described = [f"{entrypoint.__module__}:{getattr(entrypoint, '__qualname__', name)}"]
-    spec = msgspec.structs.replace(spec, entrypoint=described, **spec_fields)
+    else:
+        command = [f"{entrypoint.__module__}:{getattr(entrypoint, '__qualname__', name)}"]
+    run = launch_options(config, command, **options)
+    try:
+        spec = group_spec(run, this_host())
+    except ValueError as e:
+        raise _in_config_words(e) from None
+    unread = unread_rdzv_conf(run)
+    if unread:
+        log.warning("rdzv_configs %s: not read by torch's c10d backend, ignored", unread)
+    if isinstance(entrypoint, str):
+        return _launch(run, spec, name, None)
     results = Path(tempfile.mkdtemp(prefix="watchdogd-launch-"))
     try:
         try:
@@ -461,24 +479,24 @@ def run_launch(
         except GroupError as e:  # a start method it cannot use
             raise ValueError(str(e)) from None
         _check_callable(entrypoint, config.start_method)
-        return _launch(config, spec, name, signals, starter)
+        return _launch(run, spec, name, starter)
     finally:
         shutil.rmtree(results, ignore_errors=True)
 
 
 def _launch(
-    config: LaunchConfig,
-    spec: Any,
+    run: RunOptions,
+    spec: GroupSpec,
     name: str,
-    signals: list[signal.Signals],
     starter: CallableStarter | None,
 ) -> Result:
-    daemon_config = Config(event_log_handler=config.event_log_handler)
     try:
-        with _signals_forwarded(signals) as forward:
-            outcome = run_group(daemon_config, spec, starter=starter, on_started=forward)
+        config = daemon_config(run, Config())
+        with _signals_forwarded(handled_signals(run.signals_to_handle)) as forward:
+            outcome = run_group(config, spec, starter=starter, on_started=forward)
     except ConfigError as e:  # an event_log_handler that cannot be had
         raise ValueError(str(e)) from None
+
     if outcome.dumps is not None:
         log.warning("stacks of hung workers in %s", outcome.dumps)
     if outcome.error is not None:

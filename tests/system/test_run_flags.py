@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.cli.run import add_run_arguments, spec_from_args
+from watchdogd.cli.run import add_run_arguments, options_from_args
+from watchdogd.core.run_options import group_spec
+from watchdogd.foreground import this_host
 from watchdogd.groups.c10d_backend import _torch_conf_value
 
 from ..conftest import wait_until
@@ -429,7 +431,8 @@ def test_every_duration_in_rdzv_conf_takes_a_fraction() -> None:
     add_run_arguments(parser)
 
     def spec(*flags: str) -> object:
-        return spec_from_args(parser.parse_args([*flags, "--no-python", "true"])).rendezvous
+        options = options_from_args(parser.parse_args([*flags, "--no-python", "true"]))
+        return group_spec(options, this_host()).rendezvous
 
     etcd = spec("--rdzv-backend=etcd", "--rdzv-endpoint=h:2379",
                 "--rdzv-conf=lease_ttl=2.0,join_timeout=7.5,last_call_timeout=0.25")  # fmt: skip

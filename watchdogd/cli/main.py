@@ -23,11 +23,10 @@ from collections.abc import Sequence
 from functools import partial
 
 import anyio
-import msgspec
 
 from watchdogd import __version__
 from watchdogd.cli import run as launch
-from watchdogd.core.config import Config, ConfigError
+from watchdogd.core.config import Config, ConfigError, override
 from watchdogd.daemon import Daemon
 from watchdogd.linux import aio as _aio
 from watchdogd.linux.config_file import load_config
@@ -89,7 +88,7 @@ def build_config(args: argparse.Namespace) -> Config:
         "log_level": args.log_level,
     }
     given = {key: value for key, value in overrides.items() if value is not None}
-    return msgspec.structs.replace(config, **given)
+    return override(config, "flags", **given) if given else config
 
 
 async def _until_stopped(daemon: Daemon, args: argparse.Namespace) -> None:

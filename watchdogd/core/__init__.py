@@ -1,5 +1,6 @@
 """Pure logic: the timer table, admission and policy, the group state machine,
-D-state detection, rendezvous rounds, worker environments, config Structs, and
+D-state detection, rendezvous rounds, worker environments, config Structs, the
+options of a run in the foreground (``run_options``), and
 the ports (``typing.Protocol`` s) the other layers meet through.
 
 The rule: no I/O. Time, identities and facts come in as arguments; decisions
