@@ -24,7 +24,7 @@ from watchdogd.daemon import Daemon
 from watchdogd.linux import procs
 from watchdogd.linux.endpoints import EndpointError
 from watchdogd.linux.procs import ProcessHandle
-from watchdogd.service import timer_core
+from watchdogd.service import process_watch
 from watchdogd_client import protocol as p
 
 from ..conftest import exit_code, fifo_line, fifo_write, python, running_daemon, wait_for
@@ -372,7 +372,7 @@ async def test_the_daemon_never_targets_itself_nor_opens_a_protected_pid(
         opened.append(pid)
         return procs.open_process(pid)
 
-    monkeypatch.setattr(timer_core, "open_process", open_process)
+    monkeypatch.setattr(process_watch, "open_process", open_process)
     async with running_daemon(short_dir) as daemon, sleeper() as pid:
         c = client(daemon)
         await call(c.sync)

@@ -46,6 +46,11 @@ class ProcessWatch:
         """The watched process ``pid`` (the reaper's port)."""
         return self._handles.get(pid)
 
+    @staticmethod
+    def open(pid: int) -> ProcessHandle:
+        """Pin ``pid`` by a pidfd, not yet watched (ProcessLookupError: it is gone)."""
+        return open_process(pid)
+
     def pin(self, pid: int) -> ProcessHandle | None:
         """The watched process ``pid``, watching it now if it is not yet; None if it is gone."""
         handle = self._handles.get(pid)

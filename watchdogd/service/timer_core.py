@@ -45,9 +45,8 @@ from watchdogd.core.policy import Policy, Requester, Target, check, check_pid, v
 from watchdogd.core.ports import EventSink, Supervision
 from watchdogd.core.timers import Ended, Timer, TimerTable
 from watchdogd.linux.priority import set_loop_urgent
-from watchdogd.linux.procs import ProcessHandle, ancestors, open_process
+from watchdogd.linux.procs import ProcessHandle, ancestors
 from watchdogd.linux.snapshot import SnapshotTimer
-from watchdogd.service.process_watch import ProcessWatch
 from watchdogd.service.reaper import Expiry
 from watchdogd.service.stats import Stats
 from watchdogd_client import protocol as p
@@ -58,6 +57,7 @@ __all__ = [
     "DeadlineLearner",
     "ErrorReply",
     "Killer",
+    "Processes",
     "TimerCore",
     "TimerObserver",
     "TimerOperations",
@@ -114,6 +114,26 @@ class Audit(Protocol):
     def connection_refused(self, pid: int, uid: int, limit: str, reason: str) -> None: ...
 
 
+class Processes(Protocol):
+    """The processes timers are armed on (the process watch)."""
+
+    def process(self, pid: int) -> ProcessHandle | None:
+        """The watched process ``pid``, if it is watched."""
+        ...
+
+    def open(self, pid: int) -> ProcessHandle:
+        """Pin ``pid`` (not yet watched); ProcessLookupError or OSError when it cannot be."""
+        ...
+
+    def watch(self, handle: ProcessHandle) -> None: ...
+
+    def on_exit(self, observer: Callable[[ProcessHandle], None]) -> None: ...
+
+    def owner(self, pid: int) -> int: ...
+
+    def start_time(self, pid: int) -> int | None: ...
+
+
 class DeadlineLearner(Protocol):
     """Resolves the deadline of a ``LEARN`` arm (the scope recorder)."""
 
@@ -161,12 +181,14 @@ class TimerCore:
         limits: Limits,
         policy: PolicyConfig,
         *,
-        watch: ProcessWatch,
+        watch: Processes,
         killer: Killer,
         supervision: Supervision,
         learner: DeadlineLearner,
         events: EventSink,
         stats: Stats,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.table = TimerTable()
         self.events = events
@@ -180,9 +202,12 @@ class TimerCore:
         # pid -> (via, uid, admin, signal) the policy allowed, until the process exits.
         self._approved: dict[int, set[tuple[str, int, bool, int]]] = {}
         self._observers: list[TimerObserver] = []
-        self._wake = anyio.Event()
+        self._clock = clock
+        self._wall_clock = wall_clock
+        # Made by the tasks that wait on them, so the core needs no event loop to be driven.
+        self._wake: anyio.Event | None = None
         self._dirty = False
-        self._changed = anyio.Event()
+        self._changed: anyio.Event | None = None
         self._expiring = False
         """The expiry loop runs (so the reaper can act on what a front finds due)."""
         watch.on_exit(self._process_exited)
@@ -243,11 +268,11 @@ class TimerCore:
             return refusal
         if new_handle:
             self.watch.watch(handle)
-        now = time.monotonic()
-        deadline = now + (expiration_time - time.time())
+        now = self._clock()
+        deadline = now + (expiration_time - self._wall_clock())
         source: Literal["fifo", "socket"] = requester.via
         if self.table.arm(pid, scope_id, deadline, signal, source, requester.uid, now):
-            self._wake.set()
+            self._wake_loop()
         if scope_id != IDLE_SCOPE:
             self.table.release(pid, IDLE_SCOPE)  # it holds a timer: not idle
         self._mark_changed()
@@ -263,7 +288,7 @@ class TimerCore:
                 if pinned.exited():
                     raise ProcessLookupError(pid)
                 return pinned.duplicate()
-            return open_process(pid)
+            return self.watch.open(pid)
         except ProcessLookupError:
             return "no_such_process", f"no process with pid {pid}"
         except OSError as e:
@@ -279,7 +304,7 @@ class TimerCore:
         if refusal is not None:
             return refusal
         self.table.release(pid, scope_id)
-        now = time.monotonic()
+        now = self._clock()
         self._ended((timer,), now, "released", handle.uid)
         self._arm_idle(pid, now, handle.uid)
         self._mark_changed()
@@ -293,7 +318,7 @@ class TimerCore:
         refusal = self._permitted(requester, handle, 0)
         if refusal is not None:
             return refusal
-        now = time.monotonic()
+        now = self._clock()
         self._ended(self.table.release_pid(pid), now, "released", handle.uid)
         self._arm_idle(pid, now, handle.uid)
         self._mark_changed()
@@ -311,6 +336,11 @@ class TimerCore:
         if idle is not None and self.table.arm(
             pid, IDLE_SCOPE, now + idle, SIGKILL, uid=uid, armed=now
         ):
+            self._wake_loop()
+
+    def _wake_loop(self) -> None:
+        """A new soonest deadline: the expiry loop sleeps until it instead."""
+        if self._wake is not None:
             self._wake.set()
 
     def _ended(
@@ -347,7 +377,7 @@ class TimerCore:
         self._approved.pop(handle.pid, None)
         dropped = self.table.release_pid(handle.pid)
         if dropped:
-            self._ended(dropped, time.monotonic(), "dropped", handle.uid)
+            self._ended(dropped, self._clock(), "dropped", handle.uid)
             self._mark_changed()
             self.stats.dropped += len(dropped)
             self.events.emit(
@@ -367,7 +397,7 @@ class TimerCore:
         table = self.table
         while True:
             deadline = table.next_deadline()
-            now = time.monotonic()
+            now = self._clock()
             if deadline is not None and deadline <= now:
                 self.expire(now)
                 continue
@@ -401,7 +431,7 @@ class TimerCore:
             return  # the expiry loop has not started (a restored snapshot): it will
         deadline = self.table.next_deadline()
         if deadline is not None:
-            now = time.monotonic()
+            now = self._clock()
             if deadline <= now:
                 self.expire(now)
 
@@ -416,7 +446,7 @@ class TimerCore:
         while expired := self.table.pop_expired(now):
             done += self.killer.expire(expired)
             signalled.append((expired, now))
-            now = time.monotonic()
+            now = self._clock()
         owner = self.watch.owner
         for expired, at in signalled:
             for timer in expired:
@@ -428,17 +458,20 @@ class TimerCore:
     def _mark_changed(self) -> None:
         if not self._dirty:  # a plain bool on the hot path; the event only on the edge
             self._dirty = True
-            self._changed.set()
+            if self._changed is not None:
+                self._changed.set()
 
     async def wait_changed(self) -> None:
         """Return once the table changed since the last return."""
-        await self._changed.wait()
-        self._changed = anyio.Event()
+        if not self._dirty:
+            self._changed = anyio.Event()
+            await self._changed.wait()
+        self._changed = None
         self._dirty = False
 
     def snapshot_timers(self, size: int = 1000) -> Iterator[list[SnapshotTimer]]:
         """The live timers as snapshot records, ``size`` at a time (wall-clock deadlines)."""
-        now, wall = time.monotonic(), time.time()
+        now, wall = self._clock(), self._wall_clock()
         start_time = self.watch.start_time
         entries = self.table.entries()
         for start in range(0, len(entries), size):
@@ -459,7 +492,7 @@ class TimerCore:
         handle = self.watch.process(saved.pid)
         if handle is None:
             try:
-                handle = open_process(saved.pid)
+                handle = self.watch.open(saved.pid)
             except (ProcessLookupError, OSError):
                 return False
             if handle.start_time != saved.start_time:
