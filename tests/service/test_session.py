@@ -89,9 +89,8 @@ def shape(outgoing: Iterable[Outgoing]) -> list[str]:
     for item in outgoing:
         if isinstance(item, bytes):
             [reply] = parse_replies(item)
-            words.append(
-                reply.code if isinstance(reply, p.Error) else type(reply).__struct_config__.tag
-            )
+            tag = reply.code if isinstance(reply, p.Error) else type(reply).__struct_config__.tag
+            words.append(str(tag))
         else:
             words.append(type(item).__name__)
     return words
