@@ -155,9 +155,9 @@ def test_hello_without_a_dump_file_is_welcomed_all_the_same(
 
     monkeypatch.setattr(fakes.dumps, "register_stack_dumps", unwritable)
     session = connect(fakes)
-    [welcome] = decoded(send(session, p.Hello(p.PROTOCOL_VERSION, stack_signal=10), p.Sync()))[:1]
+    welcome, synced = decoded(send(session, p.Hello(p.PROTOCOL_VERSION, stack_signal=10), p.Sync()))
     assert isinstance(welcome, p.Welcome) and not welcome.stack_dumps
-    assert session.greeted
+    assert synced == p.Synced(1)
 
 
 # -- timer requests --------------------------------------------------------------------
