@@ -212,7 +212,7 @@ class Session:
                 if isinstance(reply, Follow | SendFd | OffLoop):
                     yield reply
                     continue
-                yield encode(reply)
+                yield self._encode(reply)
                 if isinstance(reply, p.Error) and reply.code == "version_mismatch":
                     yield Close()
                     return
@@ -237,6 +237,16 @@ class Session:
                 "internal error serving %s from pid %d", type(request).__name__, self.peer.pid
             )
             return p.Error(seq, "internal", f"{type(e).__name__}: {e}")
+
+    def _encode(self, reply: p.Reply) -> bytes:
+        """``reply``'s frame; one a port made wrong costs its request, as a bug in it would."""
+        try:
+            return encode(reply)
+        except Exception as e:
+            log.exception(
+                "internal error encoding %s for pid %d", type(reply).__name__, self.peer.pid
+            )
+            return encode(p.Error(reply.seq, "internal", f"{type(e).__name__}: {e}"))
 
     def _greet(self, seq: int, request: p.Request) -> p.Reply | SendFd:
         if not isinstance(request, p.Hello):
