@@ -1,4 +1,4 @@
-"""The layers of docs/architecture.md, enforced with the tests: import-linter's contracts, no import cycles.
+"""The layers of docs/architecture.md, enforced: import-linter's contracts, no import cycles.
 
 The contracts live in pyproject.toml (``[tool.importlinter]``); by hand:
 ``lint-imports --no-cache`` from the repository root.
