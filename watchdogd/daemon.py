@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import grp
 import logging
 import os
 import socket
@@ -89,16 +88,6 @@ def _events_dropped(count: int) -> str:
     return Event("events_dropped", EventSource.AGENT, now, {"count": count}).serialize()
 
 
-def _admin_gid(config: Config) -> int | None:
-    name = config.policy.admin_group
-    if name is None:
-        return None
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        return None
-
-
 class Daemon:
     """The timer service and the worker groups. ``await Daemon(config).serve()`` runs them."""
 
@@ -141,7 +130,7 @@ class Daemon:
         self.stacks = StackStore(config.state_path() / "dumps", config.dumps_kept)
         self.watch = ProcessWatch()
         self.reaper = Reaper(
-            config,
+            config.reaper_settings(),
             processes=self.watch,
             events=self.events,
             stats=self.stats,
@@ -149,12 +138,13 @@ class Daemon:
             stacks=self.stacks,
             observe_latency=lambda late: self.metrics.expiry_latency.observe(late),
         )
-        self.scopes = ScopeRecorder(config, events=self.events, supervision=workers)
-        self.noisy = NoisyEvents(self.events, self.stats, config.limits.max_noisy_events_per_s)
+        self.scopes = ScopeRecorder(
+            config.scope_settings(), events=self.events, supervision=workers
+        )
+        self.noisy = NoisyEvents(self.events, self.stats, config.noisy_settings())
         self.audit = RequestAudit(self.noisy)
         self.timers = TimerCore(
-            config.limits,
-            config.policy,
+            config.timer_settings(),
             watch=self.watch,
             killer=self.reaper,
             supervision=workers,
@@ -162,7 +152,7 @@ class Daemon:
             events=self.events,
             stats=self.stats,
         )
-        self.timeline = Timeline(config.timeline_size)
+        self.timeline = Timeline(config.timeline_settings())
         # The observers of ended timers: the timeline first, so a release's
         # statistics never come before its span.
         self.timers.on_ended(self.timeline.timer_ended)
@@ -170,7 +160,7 @@ class Daemon:
         self.watch.on_exit(self.reaper.forget)
         self.watch.on_exit(self.scopes.process_exited)
         self.queries = TimerQueries(
-            self.timers.table, self.watch, self.timeline, config.limits.max_listed_timers
+            self.timers.table, self.watch, self.timeline, config.query_settings()
         )
         self.supervisor = Supervisor(
             self.events,
@@ -178,8 +168,8 @@ class Daemon:
             workers=workers,
             stragglers=self.scopes.stragglers,
             runs=self.scopes,
+            settings=config.supervisor_settings(),
         )
-        self.supervisor.fault_injection = config.fault_injection
         self.metrics = Metrics(
             self.stats,
             self.timers,
@@ -195,12 +185,12 @@ class Daemon:
             self.timers,
             events=self.events,
             stats=self.stats,
-            interval=config.snapshot_interval,
+            settings=config.persistence_settings(),
         )
         self.learned_store = LearnedStore(
-            config.learned_path(), self.scopes, events=self.events, interval=_LEARNED_SAVE
+            config.learned_settings(), self.scopes, events=self.events, interval=_LEARNED_SAVE
         )
-        self.fifo_front = FifoFront(self.timers, self.audit, self.stats, config.limits.max_line)
+        self.fifo_front = FifoFront(self.timers, self.audit, self.stats, config.fifo_settings())
         self.socket_front = SocketFront(
             SessionPorts(
                 self.timers,
@@ -214,8 +204,7 @@ class Daemon:
                 self.stats,
                 self.status,
             ),
-            config.limits,
-            _admin_gid(config),
+            config.socket_settings(),
         )
         self.notifier = Notifier({} if embedded else None)
         self.http_address: tuple[str, int] | None = None
@@ -378,18 +367,7 @@ class Daemon:
         old_groups = {g.name for g in self.config.groups}
         new_groups = {g.name: g for g in config.groups}
         self.config = config
-        self.timers.reconfigure(config.limits, config.policy)
-        self.reaper.settings = config
-        self.noisy.resize(config.limits.max_noisy_events_per_s)
-        self.timeline.resize(config.timeline_size)
-        self.scopes.reconfigure(config)
-        self.queries.max_listed = config.limits.max_listed_timers
-        self.socket_front.limits = config.limits
-        self.persistence.interval = config.snapshot_interval
-        self.learned_store.directory = config.learned_path()
-        self.supervisor.fault_injection = config.fault_injection
-        self.fifo_front.splitter.max_line = config.limits.max_line
-        self.socket_front.admin_gid = _admin_gid(config)
+        self._reconfigure_parts(config)
         for name in old_groups - new_groups.keys():
             with contextlib.suppress(GroupError):
                 self.supervisor.stop(name)
@@ -407,6 +385,22 @@ class Daemon:
             groups_stopped=",".join(sorted(old_groups - new_groups.keys())),
         )
         self.notifier.notify("READY=1", self._status_line())
+
+    def _reconfigure_parts(self, config: Config) -> None:
+        """Hand each part its view of a reloaded ``config``: every setting a reload
+        changes goes through here. What is not in a view (the endpoints, the state
+        directory, logging, metrics) takes effect on restart."""
+        self.timers.reconfigure(config.timer_settings())
+        self.reaper.reconfigure(config.reaper_settings())
+        self.scopes.reconfigure(config.scope_settings())
+        self.noisy.reconfigure(config.noisy_settings())
+        self.timeline.reconfigure(config.timeline_settings())
+        self.queries.reconfigure(config.query_settings())
+        self.persistence.reconfigure(config.persistence_settings())
+        self.learned_store.reconfigure(config.learned_settings())
+        self.supervisor.reconfigure(config.supervisor_settings())
+        self.fifo_front.reconfigure(config.fifo_settings())
+        self.socket_front.reconfigure(config.socket_settings())
 
     # -- observability -----------------------------------------------------------
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from watchdogd.core.config import Limits
+from watchdogd.core.config import AdmissionLimits
 from watchdogd.core.timers import TimerTable
 
 __all__ = ["Rejection", "admit"]
@@ -28,7 +28,7 @@ Rejection = tuple[Literal["bad_request", "limit_exceeded"], str]
 
 
 def admit(
-    limits: Limits, table: TimerTable, pid: int, scope_id: str, expiration_time: float
+    limits: AdmissionLimits, table: TimerTable, pid: int, scope_id: str, expiration_time: float
 ) -> Rejection | None:
     """None when arming ``(pid, scope_id)`` fits the limits; else the code and why."""
     if not math.isfinite(expiration_time):

@@ -3,6 +3,14 @@
 Every field has a default, so an empty file (or none) is the embedded
 default. Unknown keys and bad values raise :class:`ConfigError` naming the
 key (``limits.max_frame``); nothing here exits the process.
+
+A Config is frozen, and changed only through :func:`override`, which
+validates the result as a file's would be. Each part of the daemon sees
+only its own view of it (``config.reaper_settings()`` and the like,
+:class:`ReaperSettings`): frozen Structs holding the few settings that
+part reads, built from the one validated Config when the daemon starts
+and again at every reload (the part's ``reconfigure(settings)``). The
+views are not a file layout: the TOML keys stay where they are.
 """
 
 from __future__ import annotations
@@ -16,7 +24,27 @@ import msgspec
 from watchdogd_client._paths import FIFO_NAME, SOCKET_NAME, default_runtime_dir
 from watchdogd_client.groups import DeadlineRule, GroupSpec
 
-__all__ = ["Config", "ConfigError", "Limits", "PolicyConfig", "decode_config", "override"]
+__all__ = [
+    "AdmissionLimits",
+    "Config",
+    "ConfigError",
+    "FifoSettings",
+    "LearnedSettings",
+    "Limits",
+    "NoisySettings",
+    "PersistenceSettings",
+    "PolicyConfig",
+    "QuerySettings",
+    "ReaperSettings",
+    "ScopeSettings",
+    "SocketSettings",
+    "StragglerSettings",
+    "SupervisorSettings",
+    "TimelineSettings",
+    "TimerSettings",
+    "decode_config",
+    "override",
+]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -25,7 +53,7 @@ class ConfigError(Exception):
     """A config file or option is invalid; the message names the key."""
 
 
-class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class Limits(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     max_line: Annotated[int, msgspec.Meta(ge=128)] = 64 * 1024
     """Longest FIFO line kept; longer ones are dropped and reported."""
     max_frame: Annotated[int, msgspec.Meta(ge=128)] = 64 * 1024
@@ -54,7 +82,7 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Requested FIFO buffer (``F_SETPIPE_SZ``), capped by ``/proc/sys/fs/pipe-max-size``."""
 
 
-class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     protected_pids: list[Annotated[int, msgspec.Meta(ge=1)]] = []
     fifo_allowed_uids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
     """uids whose processes FIFO requests may target; default: the daemon's own uid."""
@@ -65,9 +93,113 @@ class PolicyConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 FileMode = Annotated[int, msgspec.Meta(ge=0, le=0o777)]
+StackDumps = Literal["auto", "faulthandler", "py-spy", "off"]
 
 
-class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+# -- the parts' views -------------------------------------------------------------------
+# Field names are the part's own; the docstring names the keys they come from.
+
+
+class AdmissionLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """``limits.max_scope_len``, ``max_timers``, ``max_timers_per_pid``."""
+
+    max_scope_len: int
+    max_timers: int
+    max_timers_per_pid: int
+
+
+class TimerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The timer core's: what arming is admitted against, and who may target whom."""
+
+    admission: AdmissionLimits
+    policy: PolicyConfig
+
+
+class ReaperSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The reaper's: ``stack_dumps``, ``stack_dump_timeout``, ``flight_recorder_timeout``,
+    ``kill_grace``."""
+
+    stack_dumps: StackDumps
+    stack_dump_timeout: float
+    flight_recorder_timeout: float
+    kill_grace: float | None
+
+
+class StragglerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """``straggler_window``, ``straggler_threshold``, ``straggler_windows``,
+    ``straggler_publish_interval``."""
+
+    window: int
+    threshold: float
+    windows: int
+    publish_interval: float
+
+
+class ScopeSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The scope recorder's: ``limits.max_scope_stats_per_uid`` and ``_per_job``,
+    ``scope_stats_half_life``, ``deadlines``, and the stragglers'."""
+
+    max_per_uid: int
+    max_per_job: int
+    half_life: float
+    deadlines: tuple[DeadlineRule, ...]
+    stragglers: StragglerSettings
+
+
+class SocketSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The socket front's: ``limits.max_connections``, ``max_connections_per_uid``,
+    ``max_frame``, ``max_pending_bytes``, and ``policy.admin_group``."""
+
+    max_connections: int
+    max_connections_per_uid: int
+    max_frame: int
+    max_pending_bytes: int
+    admin_group: str | None
+
+
+class FifoSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The FIFO front's: ``limits.max_line``."""
+
+    max_line: int
+
+
+class NoisySettings(msgspec.Struct, frozen=True, kw_only=True):
+    """``limits.max_noisy_events_per_s``."""
+
+    max_per_s: int
+
+
+class TimelineSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """``timeline_size``."""
+
+    size: int
+
+
+class QuerySettings(msgspec.Struct, frozen=True, kw_only=True):
+    """``limits.max_listed_timers``."""
+
+    max_listed: int
+
+
+class PersistenceSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """``snapshot_interval`` (the snapshot's place is fixed until a restart)."""
+
+    interval: float
+
+
+class LearnedSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Where learned deadlines are kept (``learned_dir``, resolved)."""
+
+    directory: Path
+
+
+class SupervisorSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """``fault_injection``."""
+
+    fault_injection: bool
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     runtime_dir: str | None = None
     """Holds the socket and FIFO unless they are set; default per user (see README)."""
     socket: str | None = None
@@ -89,7 +221,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     """``text``: ``name key=value …`` lines; ``json``: each event as one JSON object."""
-    stack_dumps: Literal["auto", "faulthandler", "py-spy", "off"] = "auto"
+    stack_dumps: StackDumps = "auto"
     """Capture a hung process's stacks before killing it (auto: faulthandler, else py-spy)."""
     stack_dump_timeout: Annotated[float, msgspec.Meta(gt=0)] = 2.0
     dumps_kept: PositiveInt = 100
@@ -143,6 +275,73 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
             raise ValueError(f"group names must be unique, got {names}")
+
+    # -- the parts' views ------------------------------------------------------------
+
+    def timer_settings(self) -> TimerSettings:
+        limits = self.limits
+        admission = AdmissionLimits(
+            max_scope_len=limits.max_scope_len,
+            max_timers=limits.max_timers,
+            max_timers_per_pid=limits.max_timers_per_pid,
+        )
+        return TimerSettings(admission=admission, policy=self.policy)
+
+    def reaper_settings(self) -> ReaperSettings:
+        return ReaperSettings(
+            stack_dumps=self.stack_dumps,
+            stack_dump_timeout=self.stack_dump_timeout,
+            flight_recorder_timeout=self.flight_recorder_timeout,
+            kill_grace=self.kill_grace,
+        )
+
+    def scope_settings(self) -> ScopeSettings:
+        stragglers = StragglerSettings(
+            window=self.straggler_window,
+            threshold=self.straggler_threshold,
+            windows=self.straggler_windows,
+            publish_interval=self.straggler_publish_interval,
+        )
+        return ScopeSettings(
+            max_per_uid=self.limits.max_scope_stats_per_uid,
+            max_per_job=self.limits.max_scope_stats_per_job,
+            half_life=self.scope_stats_half_life,
+            deadlines=tuple(self.deadlines),
+            stragglers=stragglers,
+        )
+
+    def socket_settings(self) -> SocketSettings:
+        limits = self.limits
+        return SocketSettings(
+            max_connections=limits.max_connections,
+            max_connections_per_uid=limits.max_connections_per_uid,
+            max_frame=limits.max_frame,
+            max_pending_bytes=limits.max_pending_bytes,
+            admin_group=self.policy.admin_group,
+        )
+
+    def fifo_settings(self) -> FifoSettings:
+        return FifoSettings(max_line=self.limits.max_line)
+
+    def noisy_settings(self) -> NoisySettings:
+        return NoisySettings(max_per_s=self.limits.max_noisy_events_per_s)
+
+    def timeline_settings(self) -> TimelineSettings:
+        return TimelineSettings(size=self.timeline_size)
+
+    def query_settings(self) -> QuerySettings:
+        return QuerySettings(max_listed=self.limits.max_listed_timers)
+
+    def persistence_settings(self) -> PersistenceSettings:
+        return PersistenceSettings(interval=self.snapshot_interval)
+
+    def learned_settings(self) -> LearnedSettings:
+        return LearnedSettings(directory=self.learned_path())
+
+    def supervisor_settings(self) -> SupervisorSettings:
+        return SupervisorSettings(fault_injection=self.fault_injection)
+
+    # -- paths ------------------------------------------------------------------------
 
     def runtime_path(self) -> Path:
         return Path(self.runtime_dir) if self.runtime_dir else default_runtime_dir()

@@ -93,6 +93,12 @@ class ScopeStats:
     def __len__(self) -> int:
         return len(self.sketches)
 
+    def reconfigure(self, *, per_uid: int, per_job: int, half_life: float) -> None:
+        """Caps for the sketches still to come (none is dropped), decay from the next sample."""
+        self.per_uid = per_uid
+        self.per_job = per_job
+        self.decay = 2 ** (-1 / half_life)
+
     def add(self, key: ScopeKey, uid: int, seconds: float) -> bool:
         """Add a sample to ``key``'s sketch; False (counted) when a cap refuses a new one."""
         sketch = self.sketches.get(key)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import anyio
 import anyio.abc
 
+from watchdogd.core.config import SupervisorSettings
 from watchdogd.core.ports import EventSink, GroupError, GroupRuns, Hardware, StragglerShare
 from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd.groups.runner import Endpoints, GroupRunner, WorkerIndex
@@ -35,6 +36,7 @@ class Supervisor:
         endpoints: Endpoints,
         hardware: Hardware | None = None,
         *,
+        settings: SupervisorSettings,
         workers: WorkerIndex | None = None,
         stragglers: StragglerShare | None = None,
         runs: GroupRuns | None = None,
@@ -49,12 +51,15 @@ class Supervisor:
         """Told when each group's run starts and ends (the timer service's learned state)."""
         self.groups: dict[str, GroupRunner] = {}
         self._task_group: anyio.abc.TaskGroup | None = None
-        self.fault_injection = False
-        """Whether groups may have faults injected (the config's ``fault_injection``)."""
+        self.settings = settings
         self.on_finished: Callable[[GroupRunner, GroupState], None] | None = None
 
     def attach(self, task_group: anyio.abc.TaskGroup) -> None:
         self._task_group = task_group
+
+    def reconfigure(self, settings: SupervisorSettings) -> None:
+        """Reloaded settings, for the groups submitted from now on and for ``inject``."""
+        self.settings = settings
 
     def submit(self, spec: GroupSpec, starter: WorkerStarter | None = None) -> GroupRunner:
         """Start a group; GroupError if its name is running already or the spec cannot run.
@@ -66,7 +71,7 @@ class Supervisor:
             raise GroupError(f"group {spec.name!r} is already running ({existing.state.value})")
         if self._task_group is None:
             raise GroupError("the supervisor is not running")
-        if spec.faults and not self.fault_injection:
+        if spec.faults and not self.settings.fault_injection:
             raise GroupError(
                 f"group {spec.name}: faults need fault_injection = true in the daemon's config"
             )
@@ -81,7 +86,7 @@ class Supervisor:
             workers=self.workers,
             hardware=self.hardware,
             starter=starter,
-            fault_injection=self.fault_injection,
+            fault_injection=self.settings.fault_injection,
             stragglers=self.stragglers,
         )
         self.groups[spec.name] = runner
@@ -110,7 +115,7 @@ class Supervisor:
         self.get(name).restart()
 
     def inject(self, name: str, fault: Fault) -> None:
-        if not self.fault_injection:
+        if not self.settings.fault_injection:
             raise GroupError("fault injection is disabled: set fault_injection = true")
         self.get(name).inject(fault)
 

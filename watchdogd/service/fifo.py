@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import msgspec
 
+from watchdogd.core.config import FifoSettings
 from watchdogd.core.policy import Requester
 from watchdogd.linux import aio
 from watchdogd.service.stats import Stats
@@ -44,12 +45,18 @@ _FIFO_REQUESTER = Requester("fifo")
 class FifoFront:
     """Serves the FIFO."""
 
-    def __init__(self, timers: TimerOperations, audit: Audit, stats: Stats, max_line: int) -> None:
+    def __init__(
+        self, timers: TimerOperations, audit: Audit, stats: Stats, settings: FifoSettings
+    ) -> None:
         self.timers = timers
         self.audit = audit
         self.stats = stats
-        self.splitter = LineSplitter(max_line)
+        self.splitter = LineSplitter(settings.max_line)
         self._pending: Iterator[bytes] | None = None
+
+    def reconfigure(self, settings: FifoSettings) -> None:
+        """A reloaded ``max_line``, from the next line on."""
+        self.splitter.max_line = settings.max_line
 
     def on_readable(self, fd: int) -> None:
         if self._pending is not None:

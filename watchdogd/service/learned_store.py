@@ -21,6 +21,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from watchdogd.core.config import LearnedSettings
 from watchdogd.core.learned import LearnedDeadlines, SavedJob
 from watchdogd.core.ports import EventSink
 from watchdogd.linux.snapshot import UntrustedSnapshotError, read_own_file, write_atomically
@@ -45,13 +46,22 @@ class LearnedSource(Protocol):
 
 class LearnedStore:
     def __init__(
-        self, directory: Path, source: LearnedSource, *, events: EventSink, interval: float
+        self,
+        settings: LearnedSettings,
+        source: LearnedSource,
+        *,
+        events: EventSink,
+        interval: float,
     ) -> None:
-        self.directory = directory
+        self.directory = settings.directory
         self.source = source
         self.learned = source.learned
         self.events = events
         self.interval = interval
+
+    def reconfigure(self, settings: LearnedSettings) -> None:
+        """A reloaded directory: jobs load from and save to it from now on."""
+        self.directory = settings.directory
 
     def path(self, job_key: str) -> Path:
         return self.directory / f"{job_key}.json"

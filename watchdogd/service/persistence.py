@@ -21,6 +21,7 @@ from typing import Protocol
 import anyio
 import anyio.to_thread
 
+from watchdogd.core.config import PersistenceSettings
 from watchdogd.core.ports import EventSink
 from watchdogd.linux.snapshot import (
     SNAPSHOT_NAME,
@@ -56,13 +57,17 @@ class Persistence:
         *,
         events: EventSink,
         stats: Stats,
-        interval: float,
+        settings: PersistenceSettings,
     ) -> None:
         self.path = state_dir / SNAPSHOT_NAME
         self.store = store
         self.events = events
         self.stats = stats
-        self.interval = interval
+        self.settings = settings
+
+    def reconfigure(self, settings: PersistenceSettings) -> None:
+        """A reloaded interval, from the next snapshot on (its place is kept until a restart)."""
+        self.settings = settings
 
     async def run(self) -> None:
         """Rewrite the snapshot after changes, spending at most ~10 % of the loop on it."""
@@ -80,7 +85,7 @@ class Persistence:
                 writer.abort()
                 raise
             spent = time.monotonic() - started
-            await anyio.sleep(max(self.interval, 10 * spent))
+            await anyio.sleep(max(self.settings.interval, 10 * spent))
 
     def write_now(self) -> None:
         """The final snapshot, on the way out."""

@@ -41,7 +41,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
-from watchdogd.core.config import Config
+from watchdogd.core.config import ReaperSettings
 from watchdogd.core.flight_recorder import Recorder
 from watchdogd.core.ports import EventSink, Metadata, Supervision
 from watchdogd.core.timers import Timer
@@ -93,7 +93,7 @@ def describe(timer: Timer) -> dict[str, Metadata]:
 class Reaper:
     def __init__(
         self,
-        settings: Config,
+        settings: ReaperSettings,
         *,
         processes: ProcessLookup,
         events: EventSink,
@@ -128,6 +128,13 @@ class Reaper:
         task_group.start_soon(self.captures.run)
         if self.settings.stack_dumps != "off":
             self.stacks.prepare()
+
+    def reconfigure(self, settings: ReaperSettings) -> None:
+        """Apply reloaded settings from the next expiry on (one under way keeps its own)."""
+        # Dumps a reload turns on need the directory a start with them off never made.
+        if settings.stack_dumps != "off" and self._task_group is not None:
+            self.stacks.prepare()
+        self.settings = settings
 
     # -- faulthandler registration (hello over the socket) -------------------------
 
@@ -209,10 +216,6 @@ class Reaper:
             self.supervision.flight_recorders(timer.pid)
         )
 
-    def _escalates(self, timer: Timer) -> bool:
-        grace = self.settings.kill_grace
-        return grace is not None and 0 < timer.signal != _signal.SIGKILL
-
     async def _reap(self, timer: Timer, handle: ProcessHandle, first: bool) -> None:
         """Capture the dump, signal (or only record), then save the dump and record.
 
@@ -231,10 +234,8 @@ class Reaper:
         finally:  # recorded even if the daemon stops meanwhile
             self._report(timer, outcome, dump)
 
-    async def _escalate(self, timer: Timer, handle: ProcessHandle) -> None:
-        """SIGKILL the process if it outlives its signal by ``kill_grace``."""
-        grace = self.settings.kill_grace
-        assert grace is not None
+    async def _escalate(self, timer: Timer, handle: ProcessHandle, grace: float) -> None:
+        """SIGKILL the process if it outlives its signal by ``grace`` (``kill_grace``)."""
         await anyio.sleep(grace)
         if self.processes.process(timer.pid) is handle and not handle.exited():
             try:
@@ -382,9 +383,11 @@ class Reaper:
         self.stats.signals[timer.signal] += 1
         # Before the loop can see the exit: the supervisor names the timer as its cause.
         self.supervision.timer_fired(timer.pid, timer.scope_id)
-        if self._escalates(timer):
+        # The grace as of the signal: a reload before the task starts changes nothing.
+        grace = self.settings.kill_grace
+        if grace is not None and 0 < timer.signal != _signal.SIGKILL:
             assert self._task_group is not None
-            self._task_group.start_soon(self._escalate, timer, handle)
+            self._task_group.start_soon(self._escalate, timer, handle, grace)
         return late
 
     def _report(self, timer: Timer, outcome: float | str, dump: DumpInfo | None) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import anyio
 
-from watchdogd.core.config import Config
+from watchdogd.core.config import ScopeSettings
 from watchdogd.core.learned import LearnedDeadlines, LearnKey
 from watchdogd.core.ports import EventSink, Supervision
 from watchdogd.core.scope_stats import ScopeKey, ScopeStats
@@ -36,24 +36,27 @@ __all__ = ["ScopeRecorder"]
 class ScopeRecorder:
     """Scope statistics, stragglers and learned deadlines, fed by released timers."""
 
-    def __init__(self, config: Config, *, events: EventSink, supervision: Supervision) -> None:
+    def __init__(
+        self, settings: ScopeSettings, *, events: EventSink, supervision: Supervision
+    ) -> None:
         self.supervision = supervision
         self.scope_stats = ScopeStats(
-            per_uid=config.limits.max_scope_stats_per_uid,
-            per_job=config.limits.max_scope_stats_per_job,
-            half_life=config.scope_stats_half_life,
+            per_uid=settings.max_per_uid,
+            per_job=settings.max_per_job,
+            half_life=settings.half_life,
         )
-        self.learned = LearnedDeadlines(
-            config.deadlines, per_uid=config.limits.max_scope_stats_per_uid
-        )
-        self.stragglers = StragglerWatch(config, events, self.scope_stats)
+        self.learned = LearnedDeadlines(settings.deadlines, per_uid=settings.max_per_uid)
+        self.stragglers = StragglerWatch(settings.stragglers, events, self.scope_stats)
         self._load_wanted = anyio.Event()
 
-    def reconfigure(self, config: Config) -> None:
-        self.scope_stats.per_uid = config.limits.max_scope_stats_per_uid
-        self.scope_stats.per_job = config.limits.max_scope_stats_per_job
-        self.learned.reconfigure(config.deadlines, config.limits.max_scope_stats_per_uid)
-        self.stragglers.configure(config)
+    def reconfigure(self, settings: ScopeSettings) -> None:
+        self.scope_stats.reconfigure(
+            per_uid=settings.max_per_uid,
+            per_job=settings.max_per_job,
+            half_life=settings.half_life,
+        )
+        self.learned.reconfigure(settings.deadlines, settings.max_per_uid)
+        self.stragglers.reconfigure(settings.stragglers)
 
     # -- observing ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ and bounds how many turns of its own it can have in each loop iteration.
 from __future__ import annotations
 
 import contextlib
+import grp
 import logging
 import os
 import socket
@@ -35,7 +36,7 @@ import anyio.lowlevel
 import anyio.to_thread
 from anyio.abc import SocketAttribute
 
-from watchdogd.core.config import Limits
+from watchdogd.core.config import SocketSettings
 from watchdogd.linux.procs import ProcessHandle, open_process
 from watchdogd.service.session import (
     Close,
@@ -81,6 +82,16 @@ def _pin_peer(raw: socket.socket, pid: int) -> ProcessHandle | None:
         return None
 
 
+def _group_gid(name: str | None) -> int | None:
+    """The admin group's gid; None when there is none, or no such group (yet)."""
+    if name is None:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        return None
+
+
 def _is_admin(raw: socket.socket, uid: int, gid: int, admin_gid: int | None) -> bool:
     """Root, or in the admin group — by the groups the kernel recorded at connect time.
 
@@ -103,15 +114,21 @@ def _is_admin(raw: socket.socket, uid: int, gid: int, admin_gid: int | None) -> 
 class SocketFront:
     """Serves the daemon's Unix socket."""
 
-    def __init__(self, ports: SessionPorts, limits: Limits, admin_gid: int | None) -> None:
+    def __init__(self, ports: SessionPorts, settings: SocketSettings) -> None:
         self.ports = ports
-        self.limits = limits
-        self.admin_gid = admin_gid
+        self.settings = settings
+        self.admin_gid = _group_gid(settings.admin_group)
         self.per_uid: Counter[int] = Counter()
         """Connections open now, by the peer's uid (root's and the admin group's too)."""
 
+    def reconfigure(self, settings: SocketSettings) -> None:
+        """Apply reloaded limits to the connections still to come; look the admin group up
+        again (it may have been created since)."""
+        self.settings = settings
+        self.admin_gid = _group_gid(settings.admin_group)
+
     async def serve(self, stream: anyio.abc.SocketStream) -> None:
-        stats, limits = self.ports.stats, self.limits
+        stats, limits = self.ports.stats, self.settings
         async with stream:
             raw: socket.socket = stream.extra(SocketAttribute.raw_socket)
             pid, uid, gid = _UCRED.unpack(
@@ -154,7 +171,7 @@ class SocketFront:
 
     async def _converse(self, stream: anyio.abc.SocketStream, session: Session) -> None:
         """Serve one connection until it closes or must be closed."""
-        limit = self.limits.max_pending_bytes
+        limit = self.settings.max_pending_bytes
         outbox: list[bytes] = []
         pending = 0
 

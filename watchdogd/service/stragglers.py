@@ -21,7 +21,7 @@ import socket
 import time
 from collections.abc import Mapping
 
-from watchdogd.core.config import Config
+from watchdogd.core.config import StragglerSettings
 from watchdogd.core.job_stragglers import NodeSummary, Peers, fastest, job_view, summarize
 from watchdogd.core.ports import EventSink
 from watchdogd.core.scope_stats import ScopeKey, ScopeStats
@@ -34,24 +34,22 @@ __all__ = ["StragglerWatch"]
 class StragglerWatch:
     """The straggler windows of every worker group's scopes on this node."""
 
-    def __init__(self, config: Config, events: EventSink, scope_stats: ScopeStats) -> None:
-        self.board = Stragglers(
-            config.straggler_window, config.straggler_threshold, config.straggler_windows
-        )
+    def __init__(
+        self, settings: StragglerSettings, events: EventSink, scope_stats: ScopeStats
+    ) -> None:
+        self.board = Stragglers(settings.window, settings.threshold, settings.windows)
         self.events = events
         self.scope_stats = scope_stats
         self.hostname = socket.gethostname()
-        self.publish_interval = config.straggler_publish_interval
+        self.publish_interval = settings.publish_interval
         self.peers: dict[str, Peers] = {}
         """Per job: the other nodes' summaries."""
         self.node_ranks: dict[str, int] = {}
         """Per job: this node's group rank, as of its last summary."""
 
-    def configure(self, config: Config) -> None:
-        self.board.configure(
-            config.straggler_window, config.straggler_threshold, config.straggler_windows
-        )
-        self.publish_interval = config.straggler_publish_interval
+    def reconfigure(self, settings: StragglerSettings) -> None:
+        self.board.configure(settings.window, settings.threshold, settings.windows)
+        self.publish_interval = settings.publish_interval
 
     # -- across nodes (the StragglerShare port) ------------------------------------
 

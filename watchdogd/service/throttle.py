@@ -14,6 +14,7 @@ import time
 
 import anyio
 
+from watchdogd.core.config import NoisySettings
 from watchdogd.core.ports import EventSink
 from watchdogd.core.throttle import Throttle
 from watchdogd.service.stats import Stats
@@ -33,10 +34,10 @@ Source = tuple[str, str, int | None]
 class NoisyEvents:
     """Decides which noisy events are recorded, and records the summaries of the rest."""
 
-    def __init__(self, events: EventSink, stats: Stats, rate: int) -> None:
+    def __init__(self, events: EventSink, stats: Stats, settings: NoisySettings) -> None:
         self.events = events
         self.stats = stats
-        self._throttle: Throttle[Source] = Throttle(rate, WINDOW)
+        self._throttle: Throttle[Source] = Throttle(settings.max_per_s, WINDOW)
         self._opened = anyio.Event()
 
     def allow(self, name: str, via: str, uid: int | None) -> bool:
@@ -48,8 +49,8 @@ class NoisyEvents:
         self._opened.set()
         return False
 
-    def resize(self, rate: int) -> None:
-        self._throttle.resize(rate)
+    def reconfigure(self, settings: NoisySettings) -> None:
+        self._throttle.resize(settings.max_per_s)
 
     async def run(self) -> None:
         """Record each summary when it is due (a task for the daemon's life)."""

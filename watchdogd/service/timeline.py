@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Literal
 
+from watchdogd.core.config import TimelineSettings
 from watchdogd.core.timers import Ended, Outcome, Timer
 from watchdogd_client import protocol as p
 
@@ -24,14 +25,15 @@ __all__ = ["Timeline"]
 class Timeline:
     """Ended timers: ``(timer, ended, outcome, owner uid)``, monotonic times, oldest first."""
 
-    def __init__(self, size: int) -> None:
-        self.ended: deque[Ended] = deque(maxlen=size)
+    def __init__(self, settings: TimelineSettings) -> None:
+        self.ended: deque[Ended] = deque(maxlen=settings.size)
         # Bound once: the timer core calls it as an observer of every ended timer.
         self.record = self.ended.append
 
-    def resize(self, size: int) -> None:
-        if size != self.ended.maxlen:
-            self.ended = deque(self.ended, maxlen=size)
+    def reconfigure(self, settings: TimelineSettings) -> None:
+        """Keep the last ``size`` timers that ended from now on (the newest of those kept)."""
+        if settings.size != self.ended.maxlen:
+            self.ended = deque(self.ended, maxlen=settings.size)
             self.record = self.ended.append
 
     def timer_ended(self, ended: Ended) -> None:

@@ -40,7 +40,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from watchdogd.core.admission import admit
-from watchdogd.core.config import Limits, PolicyConfig
+from watchdogd.core.config import PolicyConfig, TimerSettings
 from watchdogd.core.policy import Policy, Requester, Target, check, check_pid, valid_signals
 from watchdogd.core.ports import EventSink, Supervision
 from watchdogd.core.timers import Ended, Timer, TimerTable
@@ -178,8 +178,7 @@ class TimerCore:
 
     def __init__(
         self,
-        limits: Limits,
-        policy: PolicyConfig,
+        settings: TimerSettings,
         *,
         watch: Processes,
         killer: Killer,
@@ -197,8 +196,8 @@ class TimerCore:
         self.killer = killer
         self.supervision = supervision
         self.learner = learner
-        self.limits = limits
-        self._policy = build_policy(policy)
+        self.limits = settings.admission
+        self._policy = build_policy(settings.policy)
         # pid -> (via, uid, admin, signal) the policy allowed, until the process exits.
         self._approved: dict[int, set[tuple[str, int, bool, int]]] = {}
         self._observers: list[TimerObserver] = []
@@ -218,10 +217,10 @@ class TimerCore:
     def on_ended(self, observer: TimerObserver) -> None:
         self._observers.append(observer)
 
-    def reconfigure(self, limits: Limits, policy: PolicyConfig) -> None:
+    def reconfigure(self, settings: TimerSettings) -> None:
         """Apply reloaded limits and policy; timers are untouched."""
-        self.limits = limits
-        self._policy = build_policy(policy)
+        self.limits = settings.admission
+        self._policy = build_policy(settings.policy)
         self._approved.clear()
 
     # -- the operations, shared by both fronts ------------------------------------

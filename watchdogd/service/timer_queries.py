@@ -11,6 +11,7 @@ import itertools
 import time
 from collections.abc import Iterable, Iterator
 
+from watchdogd.core.config import QuerySettings
 from watchdogd.core.timers import Timer, TimerTable
 from watchdogd.service.process_watch import ProcessWatch
 from watchdogd.service.timeline import Timeline
@@ -21,12 +22,15 @@ __all__ = ["TimerQueries"]
 
 class TimerQueries:
     def __init__(
-        self, table: TimerTable, watch: ProcessWatch, timeline: Timeline, max_listed: int
+        self, table: TimerTable, watch: ProcessWatch, timeline: Timeline, settings: QuerySettings
     ) -> None:
         self.table = table
         self.watch = watch
         self.timeline = timeline
-        self.max_listed = max_listed
+        self.settings = settings
+
+    def reconfigure(self, settings: QuerySettings) -> None:
+        self.settings = settings
 
     def timer_list(self, seq: int, uid: int | None) -> p.TimerList:
         """The soonest timers (of processes of ``uid``; all when None), and how many exist."""
@@ -48,7 +52,7 @@ class TimerQueries:
                 source=t.source,
                 uid=None if t.uid < 0 else t.uid,
             )
-            for t in heapq.nsmallest(self.max_listed, timers)
+            for t in heapq.nsmallest(self.settings.max_listed, timers)
         ]
         return p.TimerList(seq, infos, total)
 
