@@ -22,7 +22,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from watchdogd.core.config import Limits, PolicyConfig
+from watchdogd.core.config import Config
 from watchdogd.core.policy import Requester
 from watchdogd.core.ports import Metadata, SupervisedWorker
 from watchdogd.core.timers import Ended, Timer
@@ -151,8 +151,7 @@ class CoreMatchesModel(RuleBasedStateMachine):
         """A daemon starting: a new core, watching nothing yet."""
         self.processes = FakeProcesses(self.start_times)
         core = TimerCore(
-            Limits(),
-            PolicyConfig(),
+            Config().timer_settings(),
             watch=self.processes,
             killer=self.killer,
             supervision=NoSupervision(),
