@@ -2,7 +2,7 @@
 
 :class:`Supervisor` is what the rest of the daemon sees of the groups: the
 socket's ``GroupControl`` port, the timer service's ``Supervision`` (its
-:class:`~watchdogd.groups.runner.WorkerIndex`), GPU faults, and the states
+:class:`~watchdogd.groups.workers.WorkerIndex`), GPU faults, and the states
 metrics read; it hands each group the ``StragglerShare`` port. Each group runs as a task of its own
 (:class:`~watchdogd.groups.runner.GroupRunner`).
 """
@@ -18,8 +18,9 @@ import anyio.abc
 
 from watchdogd.core.ports import EventSink, GroupError, GroupRuns, Hardware, StragglerShare
 from watchdogd.core.workerenv import apply_env_knobs
-from watchdogd.groups.runner import Endpoints, GroupRunner, WorkerIndex
+from watchdogd.groups.runner import GroupRunner
 from watchdogd.groups.starters import WorkerStarter
+from watchdogd.groups.workers import Endpoints, WorkerIndex
 from watchdogd.linux.numa import NodeHardware
 from watchdogd_client.groups import Fault, GroupInfo, GroupSpec, GroupState
 
