@@ -207,8 +207,8 @@ class GroupMachine:
 
     def error(self, reason: str) -> list[Action]:
         """The group cannot run (its attempt cannot start): FAILED, with no restart."""
-        if self.state in (S.SUCCEEDED, S.FAILED, S.UNHEALTHY):
-            return []
+        if self.state in (S.SUCCEEDED, S.FAILED, S.STOPPED, S.UNHEALTHY):
+            return []  # finished (STOPPED rests only once the group is over)
         self._kill_at = None
         return [self._move(S.FAILED, reason), Finished(S.FAILED)]  # any -> FAILED
 
