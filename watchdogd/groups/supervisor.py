@@ -49,6 +49,7 @@ class Supervisor:
         self.runs = runs
         """Told when each group's run starts and ends (the timer service's learned state)."""
         self.groups: dict[str, GroupRunner] = {}
+        """In start order."""
         self._task_group: anyio.abc.TaskGroup | None = None
         self.fault_injection = False
         """Whether groups may have faults injected (the config's ``fault_injection``)."""
@@ -85,6 +86,7 @@ class Supervisor:
             fault_injection=self.fault_injection,
             stragglers=self.stragglers,
         )
+        self.groups.pop(spec.name, None)  # a name submitted again starts last
         self.groups[spec.name] = runner
         if self.runs is not None:
             self.runs.run_started(spec.name)
@@ -144,9 +146,10 @@ class Supervisor:
                     runner.mark_unhealthy(f"GPU {index}: {description}")
 
     async def stop_all(self) -> None:
-        """Stop every group gracefully (SIGTERM, then SIGKILL after its timeout)."""
-        running = [r for r in self.groups.values() if not r.finished.is_set()]
-        for runner in running:
-            runner.stop()
-        for runner in running:
-            await runner.finished.wait()
+        """Stop every group gracefully (SIGTERM, then SIGKILL after its timeout), in the
+        reverse of their start order: each is gone before the one started before it is
+        told, as supervisord stops its groups (a later group may depend on an earlier)."""
+        for runner in reversed(self.groups.values()):
+            if not runner.finished.is_set():
+                runner.stop()
+                await runner.finished.wait()
