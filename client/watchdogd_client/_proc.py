@@ -66,9 +66,6 @@ class PinnedProcess:
             raise ProcessLookupError(self.pid)
         _signal.pidfd_send_signal(self._pidfd, signal)
 
-    def kill(self) -> None:
-        self.send_signal(_signal.SIGKILL)
-
     def close(self) -> None:
         """Let the pidfd go; safe to call again."""
         pidfd, self._pidfd = self._pidfd, -1

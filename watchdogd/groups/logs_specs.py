@@ -18,6 +18,7 @@ start, with torch's import, comes before the first attempt).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from watchdogd.core.ports import GroupError
@@ -38,13 +39,13 @@ Routes = dict[int, tuple[StreamRoute, StreamRoute]]
 """Per local rank, its (stdout, stderr) routes."""
 
 
-class LogLayout(Feature):
+class LogLayout(Feature, ABC):
+    @abstractmethod
     async def routes(
         self, attempt: int, envs: dict[int, dict[str, str]], base: dict[str, str]
     ) -> Routes:
         """Each rank's streams for ``attempt``; it may set variables in ``envs``
         (inherited from ``base``, unless set)."""
-        raise NotImplementedError
 
     def clear_error_file(self, env: dict[str, str]) -> None:
         """Ready the rank's error file (blocks: called in a thread)."""
