@@ -54,7 +54,7 @@ from queue import Empty
 from typing import Any, NamedTuple, Protocol
 
 from ._api import RequestQueue, TimerRequest, TimerServer
-from ._proc import pidfd_exited, stat_fields
+from ._proc import PinnedProcess, stat_fields
 from ._timer_client import TimerClient
 
 __all__ = ["LocalTimerClient", "LocalTimerServer", "MultiprocessingRequestQueue"]
@@ -154,10 +154,10 @@ class _Timer(NamedTuple):
 class _Worker:
     """A process with timers: pinned by a pidfd, named by its start time."""
 
-    __slots__ = ("pidfd", "start_time", "timers")
+    __slots__ = ("process", "start_time", "timers")
 
-    def __init__(self, pidfd: int, start_time: int) -> None:
-        self.pidfd = pidfd
+    def __init__(self, process: PinnedProcess, start_time: int) -> None:
+        self.process = process
         self.start_time = start_time
         self.timers: dict[str, _Timer] = {}
 
@@ -254,7 +254,7 @@ class LocalTimerServer(TimerServer):
                 )
                 return True
             try:
-                _signal.pidfd_send_signal(worker.pidfd, self._signal)
+                worker.process.send_signal(self._signal)
             except ProcessLookupError:
                 logger.info("pid %s had already exited. Skipping", worker_id)
                 return True
@@ -290,7 +290,7 @@ class LocalTimerServer(TimerServer):
     def _open(self, pid: int, start_time: int | None) -> _Worker | None:
         """Pin ``pid``, if it is still the process that sent ``start_time``."""
         try:
-            pidfd = os.pidfd_open(pid)
+            process = PinnedProcess(pid)
         except ProcessLookupError:
             logger.info("Ignoring a timer for pid %s: no such process", pid)
             return None
@@ -303,16 +303,16 @@ class LocalTimerServer(TimerServer):
             actual = None
         # Checked after /proc was read: if the pinned process is still alive,
         # /proc described it and not a successor with its number.
-        if actual is None or pidfd_exited(pidfd) or start_time not in (None, actual):
-            os.close(pidfd)
+        if actual is None or process.exited() or start_time not in (None, actual):
+            process.close()
             logger.info("Ignoring a timer for pid %s: the process that asked has exited", pid)
             return None
-        return _Worker(pidfd, actual)
+        return _Worker(process, actual)
 
     def _live_worker(self, pid: int) -> _Worker | None:
         """``pid``'s worker, unless it has exited (then its timers are dropped)."""
         worker = self._workers.get(pid)
-        if worker is not None and pidfd_exited(worker.pidfd):
+        if worker is not None and worker.process.exited():
             logger.info("pid %s exited with timers %s: dropped", pid, list(worker.timers))
             self._drop(pid)
             return None
@@ -321,4 +321,4 @@ class LocalTimerServer(TimerServer):
     def _drop(self, pid: int) -> None:
         worker = self._workers.pop(pid, None)
         if worker is not None:
-            os.close(worker.pidfd)
+            worker.process.close()

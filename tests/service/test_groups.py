@@ -16,6 +16,7 @@ import anyio
 import pytest
 
 import watchdogd_client as wd
+from watchdogd.groups.child import ChildProcess
 from watchdogd_client.groups import GroupSpec, GroupState
 
 from ..conftest import REPO, running_daemon, wait_for, wait_until
@@ -338,3 +339,41 @@ async def test_daemon_groups_from_config_and_control(short_dir: Path, tmp_path: 
                 await anyio.to_thread.run_sync(client.stop_group, "nope")
         finally:
             client.close()
+
+
+@pytest.mark.anyio
+async def test_groups_and_their_workers_stop_in_the_reverse_of_their_start_order(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker that takes a moment to stop: a group still stopping would overlap the next.
+    lingering = "import signal, sys, time\n" + (
+        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.2), sys.exit(0)))\ntime.sleep(600)"
+    )
+    sent: list[tuple[int, int]] = []
+    send_signal = ChildProcess.send_signal
+
+    def recording(child: ChildProcess, signum: int) -> None:
+        sent.append((child.pid, signum))
+        send_signal(child, signum)
+
+    monkeypatch.setattr(ChildProcess, "send_signal", recording)
+    names = ["first", "second", "third"]
+    async with running_daemon(short_dir) as daemon:
+        runners = [
+            daemon.supervisor.submit(
+                GroupSpec(name=name, entrypoint=[sys.executable, "-c", lingering], nproc=3)
+            )
+            for name in names
+        ]
+        await wait_for(lambda: all(len(r.workers) == 3 for r in runners))
+        local_rank = {w.pid: w.local_rank for r in runners for w in r.workers.values()}
+        await daemon.supervisor.stop_all()
+        assert all(r.state is GroupState.STOPPED for r in runners)
+        moves = [
+            (e.metadata["group"], e.metadata["state"])
+            for e in daemon.events.since()
+            if e.name == "group_state" and e.metadata["state"] in ("STOPPING", "STOPPED")
+        ]
+    assert moves == [(name, state) for name in reversed(names) for state in ("STOPPING", "STOPPED")]
+    terms = [local_rank[pid] for pid, signum in sent if signum == signal.SIGTERM]
+    assert terms == [2, 1, 0] * 3  # in each group, the last started first

@@ -3,8 +3,28 @@
 from __future__ import annotations
 
 import signal
+from typing import Literal
 
-from watchdogd.core.group_machine import Finished, GroupMachine, Signal, Spawn, Transition
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from watchdogd.core.group_machine import (
+    Action,
+    Fail,
+    Finished,
+    GroupMachine,
+    Input,
+    Restart,
+    Signal,
+    Signalled,
+    Spawn,
+    Stop,
+    Transition,
+    Unhealthy,
+    WorkerExited,
+    WorkerStuck,
+)
 from watchdogd_client.groups import GroupState as S
 
 
@@ -127,3 +147,221 @@ def test_a_signal_while_stopping_for_a_restart_cancels_the_restart() -> None:
     assert moves(actions) == [(S.STOPPING, S.STOPPED)]
     assert actions[-1] == Finished(S.STOPPED)
     assert m.restarts_used == 0
+
+
+# -- the machine under random runs --------------------------------------------------
+
+FINAL = (S.SUCCEEDED, S.FAILED, S.STOPPED, S.UNHEALTHY)
+# Every edge the module's rules draw; `error` may fail a group from any state but a final one.
+EDGES = {
+    (S.INIT, S.HEALTHY),
+    (S.HEALTHY, S.SUCCEEDED),
+    (S.HEALTHY, S.STOPPING),
+    (S.STOPPING, S.STOPPED),
+    (S.STOPPED, S.HEALTHY),
+    (S.STOPPED, S.FAILED),
+    (S.HEALTHY, S.UNHEALTHY),
+    (S.STOPPING, S.UNHEALTHY),
+    (S.HEALTHY, S.FAILED),
+    (S.STOPPING, S.FAILED),
+}
+exitcodes = st.sampled_from([0, 1, 2, -signal.SIGSEGV, -signal.SIGTERM, -signal.SIGKILL])
+forwarded = st.sampled_from([signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+Cause = Literal["failure", "free", "stop"]
+
+
+class MachineRuns(RuleBasedStateMachine):
+    """A group's life as a runner lives it: a round is met (or fails) after each spawn,
+    then workers exit, hang, stick in D state, and operators and peers step in.
+
+    The model keeps what a runner would see: which workers run, which were sent a
+    signal, why the last stop began, and how many restarts each kind there were.
+    While a round is being met the runner reads no input, so no rule but the
+    round's fires then.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.machine = GroupMachine(1, 0, shutdown_timeout=5)  # until `start` picks one
+        self.now = 0.0
+        self.spawns = 0
+        self.failure_restarts = 0
+        self.free_restarts = 0
+        self.running: set[int] = set()
+        self.asked_to_stop: set[int] = set()
+        self.meeting = False
+        self.cause: Cause | None = None
+        self.finished: S | None = None
+
+    @initialize(nproc=st.integers(1, 3), max_restarts=st.integers(0, 3))
+    def start(self, nproc: int, max_restarts: int) -> None:
+        self.machine = GroupMachine(nproc, max_restarts, shutdown_timeout=5)
+        self.apply(self.machine.start())
+        self.rendezvous_round("met")  # the first: a round that fails is a later one's
+
+    # -- carrying out what the machine says --------------------------------------------
+
+    def feed(self, event: Input) -> None:
+        before = self.machine.state
+        actions = self.machine.feed(event, self.now)
+        if (S.HEALTHY, S.STOPPING) in moves(actions) or (
+            before is S.STOPPING and isinstance(event, Stop | Signalled)
+        ):
+            match event:
+                case WorkerExited() | Fail():
+                    self.cause = "failure"
+                case Restart():
+                    self.cause = "free"
+                case Stop() | Signalled():
+                    self.cause = "stop"
+        self.apply(actions)
+
+    def apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            assert self.finished is None, f"{action} after the group finished"
+            match action:
+                case Transition(old, new):
+                    assert (old, new) in EDGES
+                    if (old, new) == (S.STOPPED, S.FAILED):
+                        assert self.cause == "failure"
+                        assert self.failure_restarts == self.machine.max_restarts
+                case Spawn(attempt, restart_count):
+                    assert attempt == self.spawns
+                    if self.spawns:
+                        if self.cause == "failure":
+                            self.failure_restarts += 1
+                        else:
+                            assert self.cause == "free", f"a restart after {self.cause}"
+                            self.free_restarts += 1
+                    assert restart_count == self.failure_restarts
+                    self.spawns += 1
+                    self.meeting = True  # the runner meets the round before any worker starts
+                    self.running, self.asked_to_stop, self.cause = set(), set(), None
+                case Signal(local_ranks):
+                    assert set(local_ranks) <= self.running
+                    self.asked_to_stop |= set(local_ranks)
+                case Finished(state):
+                    assert state in FINAL
+                    if state is S.STOPPED:
+                        assert self.cause == "stop"
+                    self.finished = state
+
+    def pick_running(self, data: st.DataObject) -> int:
+        return data.draw(st.sampled_from(sorted(self.running)))
+
+    # -- rules ------------------------------------------------------------------------
+
+    @precondition(lambda self: self.meeting and self.finished is None)
+    @rule(outcome=st.sampled_from(["met", "met", "met", "failed"]))  # a failed round ends it
+    def rendezvous_round(self, outcome: str) -> None:
+        if outcome == "failed":
+            self.apply(self.machine.error("rendezvous failed"))
+            return
+        self.meeting = False
+        self.running = set(range(self.machine.nproc))
+
+    @precondition(lambda self: not self.meeting and self.running and self.finished is None)
+    @rule(data=st.data(), exitcode=exitcodes)
+    def worker_exits(self, data: st.DataObject, exitcode: int) -> None:
+        local_rank = self.pick_running(data)
+        self.running.discard(local_rank)
+        self.feed(WorkerExited(local_rank, exitcode, self.machine.attempt))
+
+    @precondition(lambda self: not self.meeting and self.running and self.finished is None)
+    @rule(data=st.data())
+    def worker_hangs_and_its_timer_kills_it(self, data: st.DataObject) -> None:
+        local_rank = self.pick_running(data)
+        self.running.discard(local_rank)
+        self.feed(WorkerExited(local_rank, -signal.SIGKILL, self.machine.attempt))
+
+    @precondition(lambda self: not self.meeting and self.asked_to_stop & self.running)
+    @rule(data=st.data())
+    def signalled_worker_exits(self, data: st.DataObject) -> None:
+        local_rank = data.draw(st.sampled_from(sorted(self.asked_to_stop & self.running)))
+        self.running.discard(local_rank)
+        if self.finished is None:
+            self.feed(WorkerExited(local_rank, -signal.SIGTERM, self.machine.attempt))
+
+    @precondition(lambda self: not self.meeting and self.machine.attempt > 0 and self.running)
+    @rule(data=st.data())
+    def an_earlier_attempts_exit_is_ignored(self, data: st.DataObject) -> None:
+        stale = WorkerExited(self.pick_running(data), 1, self.machine.attempt - 1)
+        assert self.machine.feed(stale, self.now) == []
+
+    # One rule for the inputs that end a group, so that runs go on long enough to restart.
+    @precondition(lambda self: not self.meeting and self.running and self.finished is None)
+    @rule(data=st.data(), kind=st.sampled_from(["stop", "signal", "d_state", "gpu_fault"]))
+    def the_group_is_ended(self, data: st.DataObject, kind: str) -> None:
+        match kind:
+            case "stop":
+                self.feed(Stop())
+            case "signal":
+                self.feed(Signalled(data.draw(forwarded)))
+            case "d_state":
+                self.feed(WorkerStuck(self.pick_running(data)))
+            case "gpu_fault":
+                self.feed(Unhealthy("GPU 0: XID 79"))
+
+    @precondition(lambda self: not self.meeting and self.finished is None)
+    @rule()
+    def a_node_waits_to_join(self) -> None:
+        self.feed(Restart("a node is waiting to join"))  # scale-up: a restart that is free
+
+    @precondition(lambda self: not self.meeting and self.finished is None)
+    @rule()
+    def a_peer_node_is_lost(self) -> None:
+        self.feed(Fail("a node of the job was lost"))
+
+    @precondition(lambda self: self.machine.next_wake() is not None and self.finished is None)
+    @rule()
+    def shutdown_timeout_passes(self) -> None:
+        wake = self.machine.next_wake()
+        assert wake is not None
+        self.now = max(self.now, wake)
+        self.apply(self.machine.tick(self.now))
+        self.now += 1
+
+    @precondition(lambda self: self.finished is not None)
+    @rule(
+        event=st.one_of(
+            st.builds(Stop),
+            st.builds(Signalled, forwarded),
+            st.builds(Restart),
+            st.builds(Fail, st.just("late")),
+            st.builds(Unhealthy, st.just("late")),
+            st.builds(WorkerStuck, st.integers(0, 2)),
+        )
+    )
+    def a_finished_group_takes_no_more_input(self, event: Input) -> None:
+        assert self.machine.feed(event, self.now) == []
+        assert self.machine.error("late") == []
+
+    # -- invariants -------------------------------------------------------------------
+
+    @invariant()
+    def restarts_are_counted_by_kind(self) -> None:
+        assert self.machine.restarts_used == self.failure_restarts
+        assert self.machine.attempt == self.failure_restarts + self.free_restarts
+
+    @invariant()
+    def no_more_failure_restarts_than_allowed(self) -> None:
+        assert self.failure_restarts <= self.machine.max_restarts
+        assert self.machine.restarts_left >= 0
+
+    @invariant()
+    def a_finished_group_has_asked_every_running_worker_to_stop(self) -> None:
+        if self.finished is not None:
+            assert self.machine.state is self.finished
+            assert self.running <= self.asked_to_stop, (
+                f"{self.finished.value} with local ranks {sorted(self.running)} running, "
+                "never signalled"
+            )
+
+    @invariant()
+    def the_machine_knows_who_runs(self) -> None:
+        if not self.meeting and self.finished is None:
+            assert self.machine.alive == self.running
+
+
+TestMachineRuns = MachineRuns.TestCase
+TestMachineRuns.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

@@ -24,7 +24,9 @@ Rules
   starts a new attempt without spending a restart; ``fail`` (a peer node
   was lost) does the same as a worker failure, spending one.
 
-Actions are returned in order: :class:`Transition` (record it),
+Inputs come as methods, or as one :data:`Input` message fed to :meth:`feed`
+(a runner's inbox holds them: each carries its reason). Actions are
+returned in order: :class:`Transition` (record it),
 :class:`Spawn` (start every worker of an attempt), :class:`Signal` (send to
 these local ranks), :class:`Finished` (the group reached a final state).
 ``next_wake()`` says when to call ``tick`` (the SIGKILL escalation).
@@ -39,7 +41,22 @@ import msgspec
 
 from watchdogd_client.groups import GroupState
 
-__all__ = ["Action", "Finished", "GroupMachine", "Signal", "Spawn", "Transition"]
+__all__ = [
+    "Action",
+    "Fail",
+    "Finished",
+    "GroupMachine",
+    "Input",
+    "Restart",
+    "Signal",
+    "Signalled",
+    "Spawn",
+    "Stop",
+    "Transition",
+    "Unhealthy",
+    "WorkerExited",
+    "WorkerStuck",
+]
 
 S = GroupState
 AfterStop = Literal["restart", "restart_free", "fail", "stop"]
@@ -69,6 +86,41 @@ class Finished(msgspec.Struct, frozen=True):
 Action = Transition | Spawn | Signal | Finished
 
 
+class WorkerExited(msgspec.Struct, frozen=True, tag=True):
+    """Local rank ``local_rank`` of attempt ``attempt`` exited (an earlier attempt's: ignored)."""
+
+    local_rank: int
+    exitcode: int
+    attempt: int
+
+
+class WorkerStuck(msgspec.Struct, frozen=True, tag=True):
+    local_rank: int
+
+
+class Stop(msgspec.Struct, frozen=True, tag=True):
+    reason: str = "stop requested"
+
+
+class Signalled(msgspec.Struct, frozen=True, tag=True):
+    signum: int
+
+
+class Restart(msgspec.Struct, frozen=True, tag=True):
+    reason: str = "restart requested"
+
+
+class Unhealthy(msgspec.Struct, frozen=True, tag=True):
+    reason: str
+
+
+class Fail(msgspec.Struct, frozen=True, tag=True):
+    reason: str
+
+
+Input = WorkerExited | WorkerStuck | Stop | Signalled | Restart | Unhealthy | Fail
+
+
 class GroupMachine:
     def __init__(self, nproc: int, max_restarts: int, shutdown_timeout: float) -> None:
         self.nproc = nproc
@@ -90,6 +142,25 @@ class GroupMachine:
         return self._kill_at
 
     # -- inputs ------------------------------------------------------------------
+
+    def feed(self, event: Input, now: float) -> list[Action]:
+        match event:
+            case WorkerExited(local_rank, exitcode, attempt):
+                if attempt != self.attempt:
+                    return []
+                return self.worker_exited(local_rank, exitcode, now)
+            case WorkerStuck(local_rank):
+                return self.worker_stuck(local_rank, now)
+            case Stop(reason):
+                return self.stop(now, reason)
+            case Signalled(signum):
+                return self.signalled(signum, now)
+            case Restart(reason):
+                return self.restart(now, reason)
+            case Unhealthy(reason):
+                return self.unhealthy(reason, now)
+            case Fail(reason):
+                return self.fail(reason, now)
 
     def start(self) -> list[Action]:
         if self.state is not S.INIT:
@@ -136,8 +207,8 @@ class GroupMachine:
 
     def error(self, reason: str) -> list[Action]:
         """The group cannot run (its attempt cannot start): FAILED, with no restart."""
-        if self.state in (S.SUCCEEDED, S.FAILED, S.UNHEALTHY):
-            return []
+        if self.state in (S.SUCCEEDED, S.FAILED, S.STOPPED, S.UNHEALTHY):
+            return []  # finished (STOPPED rests only once the group is over)
         self._kill_at = None
         return [self._move(S.FAILED, reason), Finished(S.FAILED)]  # any -> FAILED
 

@@ -25,9 +25,7 @@ reported with "(injected fault: KIND)".
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import shutil
 import signal
 import tempfile
@@ -41,6 +39,7 @@ import anyio.to_thread
 import msgspec
 
 from watchdogd.core.ports import EventSink
+from watchdogd.groups.child import ChildProcess
 from watchdogd.linux.procs import catches_signal
 from watchdogd.linux.snapshot import write_atomically
 from watchdogd_client._faults import FAULT_FILE_ENV, FAULT_SIGNAL_ENV, Injected
@@ -58,9 +57,12 @@ _encoder = msgspec.json.Encoder()
 class RankProcess(NamedTuple):
     """The running worker of a global rank."""
 
-    pid: int
-    pidfd: int
+    child: ChildProcess
     local_rank: int
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
 
 
 class FaultInjector:
@@ -106,7 +108,7 @@ class FaultInjector:
         send: Callable[[], None]
         if fault.kind in ("sigstop", "kill"):
             number = signal.SIGSTOP if fault.kind == "sigstop" else signal.SIGKILL
-            send = partial(_signal_group, worker, number)
+            send = partial(worker.child.send_signal, number)
         else:
             path = self.directory / f"{worker.local_rank}.json"
             injected = Injected(fault.kind, fault.code, fault.factor)
@@ -123,7 +125,7 @@ class FaultInjector:
                 return
             if self.worker_of(fault.rank) != worker:
                 return  # it ended meanwhile: its successor gets nothing of this one's
-            send = partial(signal.pidfd_send_signal, worker.pidfd, FAULT_SIGNAL)
+            send = partial(worker.child.pinned.send_signal, FAULT_SIGNAL)
         try:
             send()
         except ProcessLookupError:
@@ -159,12 +161,3 @@ class FaultInjector:
             return False
         write_atomically(path, _encoder.encode(injected))
         return True
-
-
-def _signal_group(worker: RankProcess, number: int) -> None:
-    """As the runner signals a worker: its process group, else (not leading one) itself."""
-    try:
-        os.killpg(worker.pid, number)
-    except ProcessLookupError:
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(worker.pidfd, number)

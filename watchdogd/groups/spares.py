@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import msgspec
 
 from watchdogd.core.ports import EventSink
 from watchdogd.core.workerenv import PythonCommand
+from watchdogd.groups.child import ChildProcess
 from watchdogd.groups.spare import Assignment, Failed, Ready, Report
 from watchdogd.groups.starters import Started, WorkerStarter, substitute_local_rank
 from watchdogd.groups.worker_logs import Target, child_stream
@@ -57,21 +57,24 @@ class _Spare:
     def __init__(self, local_rank: int, popen: subprocess.Popen[bytes], control: socket.socket):
         self.local_rank = local_rank
         self.popen = popen
+        self.child = ChildProcess(popen)
         self.control = control
-        self.pidfd = os.pidfd_open(popen.pid)
         self.ready = False
         self.failure: str | None = None
         self.splitter = FrameSplitter(1 << 16)
 
     def unwatch(self) -> None:
-        for fd in (self.pidfd, self.control.fileno()):
-            with contextlib.suppress(ValueError, OSError):
-                aio.unwatch(fd)
+        self.child.unwatch()
+        with contextlib.suppress(ValueError, OSError):
+            aio.unwatch(self.control.fileno())
 
     def close(self) -> None:
-        self.unwatch()
-        os.close(self.pidfd)
-        self.control.close()
+        """Its pidfd and control socket go (idempotent: a closed socket stays closed)."""
+        try:
+            self.unwatch()
+        finally:
+            self.child.close()
+            self.control.close()
 
 
 class SparePool:
@@ -180,7 +183,7 @@ class SparePool:
         ours.setblocking(False)
         spare = _Spare(local_rank, popen, ours)
         aio.watch_readable(spare.control.fileno(), lambda: self._on_report(spare))
-        aio.watch_readable(spare.pidfd, lambda: self._on_exit(spare))
+        spare.child.watch(lambda: self._on_exit(spare))
         return spare
 
     def _on_report(self, spare: _Spare) -> None:
@@ -202,13 +205,12 @@ class SparePool:
                                     local_rank=spare.local_rank, pid=spare.popen.pid)  # fmt: skip
             elif isinstance(report, Failed):
                 spare.failure = report.message
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(spare.popen.pid, signal.SIGKILL)  # its exit is reported
+                spare.child.kill_group()  # its exit is reported
 
     @staticmethod
     def _reap(spare: _Spare) -> None:
-        spare.popen.wait()
         spare.close()
+        spare.child.wait()
 
     def _on_exit(self, spare: _Spare) -> None:
         if self.spares.get(spare.local_rank) is not spare:
@@ -261,9 +263,8 @@ class SparePool:
             for ours, _ in ends:
                 if ours is not None:
                     os.close(ours)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(spare.popen.pid, signal.SIGKILL)
-            aio.watch_readable(spare.pidfd, lambda: self._reap(spare))
+            spare.child.kill_group()
+            spare.child.watch(lambda: self._reap(spare))
             return self.cold.start(local_rank, attempt, env, streams, cpus)
         finally:
             for _, theirs in ends:
@@ -271,8 +272,7 @@ class SparePool:
                     os.close(theirs)
         if self._root:
             _renice(spare.popen.pid, worker_priority())
-        os.close(spare.pidfd)
-        spare.control.close()
+        spare.close()  # a worker now: the runner pins it
         return Started(spare.popen, ends[0][0], ends[1][0])
 
     # -- seeing and stopping them ------------------------------------------------------
@@ -295,14 +295,13 @@ class SparePool:
         spares, self.spares = list(self.spares.values()), {}
         for spare in spares:
             spare.unwatch()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(spare.popen.pid, signal.SIGKILL)
+            spare.child.kill_group()
         for spare in spares:
             with anyio.move_on_after(2.0):
-                await anyio.wait_readable(spare.pidfd)
-            if spare.popen.poll() is None:
-                log.warning("spare pid %d did not exit after SIGKILL; left behind", spare.popen.pid)
+                await anyio.wait_readable(spare.child.pidfd)
             spare.close()
+            if spare.child.let_go() is None:
+                log.warning("spare pid %d did not exit after SIGKILL; left behind", spare.popen.pid)
 
 
 def _renice(pid: int, priority: int) -> None:

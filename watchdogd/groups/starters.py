@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 from watchdogd.core.ports import GroupError
 from watchdogd.groups.callable_worker import InheritedFd, WorkerCall, run
+from watchdogd.groups.child import WorkerProcess
 from watchdogd.groups.worker_logs import Target, child_stream
 from watchdogd.linux.numa import bound_to
 from watchdogd_client.groups import GroupSpec
@@ -32,19 +33,6 @@ __all__ = [
 ]
 
 START_METHODS = ("spawn", "forkserver", "fork")
-
-
-class WorkerProcess(Protocol):
-    """A started worker: ``subprocess.Popen`` is one."""
-
-    @property
-    def pid(self) -> int: ...
-
-    def wait(self) -> int:
-        """Its exit status, once its pidfd said it exited (negative: the signal)."""
-        ...
-
-    def poll(self) -> int | None: ...
 
 
 class Started(NamedTuple):

@@ -2,7 +2,7 @@
 
 :class:`Supervisor` is what the rest of the daemon sees of the groups: the
 socket's ``GroupControl`` port, the timer service's ``Supervision`` (its
-:class:`~watchdogd.groups.runner.WorkerIndex`), GPU faults, and the states
+:class:`~watchdogd.groups.workers.WorkerIndex`), GPU faults, and the states
 metrics read; it hands each group the ``StragglerShare`` port. Each group runs as a task of its own
 (:class:`~watchdogd.groups.runner.GroupRunner`).
 """
@@ -19,8 +19,9 @@ import anyio.abc
 from watchdogd.core.config import SupervisorSettings
 from watchdogd.core.ports import EventSink, GroupError, GroupRuns, Hardware, StragglerShare
 from watchdogd.core.workerenv import apply_env_knobs
-from watchdogd.groups.runner import Endpoints, GroupRunner, WorkerIndex
+from watchdogd.groups.runner import GroupRunner
 from watchdogd.groups.starters import WorkerStarter
+from watchdogd.groups.workers import Endpoints, WorkerIndex
 from watchdogd.linux.numa import NodeHardware
 from watchdogd_client.groups import Fault, GroupInfo, GroupSpec, GroupState
 
@@ -50,6 +51,7 @@ class Supervisor:
         self.runs = runs
         """Told when each group's run starts and ends (the timer service's learned state)."""
         self.groups: dict[str, GroupRunner] = {}
+        """In start order."""
         self._task_group: anyio.abc.TaskGroup | None = None
         self.settings = settings
         self.on_finished: Callable[[GroupRunner, GroupState], None] | None = None
@@ -89,6 +91,7 @@ class Supervisor:
             fault_injection=self.settings.fault_injection,
             stragglers=self.stragglers,
         )
+        self.groups.pop(spec.name, None)  # a name submitted again starts last
         self.groups[spec.name] = runner
         if self.runs is not None:
             self.runs.run_started(spec.name)
@@ -148,9 +151,10 @@ class Supervisor:
                     runner.mark_unhealthy(f"GPU {index}: {description}")
 
     async def stop_all(self) -> None:
-        """Stop every group gracefully (SIGTERM, then SIGKILL after its timeout)."""
-        running = [r for r in self.groups.values() if not r.finished.is_set()]
-        for runner in running:
-            runner.stop()
-        for runner in running:
-            await runner.finished.wait()
+        """Stop every group gracefully (SIGTERM, then SIGKILL after its timeout), in the
+        reverse of their start order: each is gone before the one started before it is
+        told, as supervisord stops its groups (a later group may depend on an earlier)."""
+        for runner in reversed(self.groups.values()):
+            if not runner.finished.is_set():
+                runner.stop()
+                await runner.finished.wait()

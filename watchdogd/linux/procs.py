@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import errno
 import os
-import signal as _signal
 
 import msgspec
 
-from watchdogd_client._proc import pidfd_exited, stat_fields
+from watchdogd_client._proc import PinnedProcess, stat_fields
 
 __all__ = [
     "ProcessHandle",
@@ -39,34 +38,24 @@ class Stat(msgspec.Struct, frozen=True):
     start_time: int
 
 
-class ProcessHandle(msgspec.Struct):
-    pid: int
-    pidfd: int
-    uid: int
-    start_time: int
-    kernel_thread: bool
+class ProcessHandle(PinnedProcess):
+    """A timer's target: pinned by its pidfd, with who it is (read once, at pinning)."""
 
-    def exited(self) -> bool:
-        if self.pidfd < 0:
-            return True  # closed: we already saw it exit
-        return pidfd_exited(self.pidfd)
+    __slots__ = ("kernel_thread", "start_time", "uid")
 
-    def send_signal(self, signal: int) -> None:
-        """Signal this very process; ProcessLookupError once it has exited."""
-        if self.pidfd < 0:
-            raise ProcessLookupError(self.pid)
-        _signal.pidfd_send_signal(self.pidfd, signal)
+    def __init__(
+        self, pid: int, pidfd: int, uid: int, start_time: int, kernel_thread: bool
+    ) -> None:
+        super().__init__(pid, pidfd)
+        self.uid = uid
+        self.start_time = start_time
+        self.kernel_thread = kernel_thread
 
     def duplicate(self) -> ProcessHandle:
         """An independent handle on the same process (its own pidfd)."""
         return ProcessHandle(
             self.pid, os.dup(self.pidfd), self.uid, self.start_time, self.kernel_thread
         )
-
-    def close(self) -> None:
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
 
 
 def read_rss(pid: int) -> int | None:

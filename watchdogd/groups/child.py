@@ -1,0 +1,106 @@
+"""A child the daemon started (a worker, a spare): pinned by its pidfd, watched from the loop.
+
+Every child starts in a session of its own, so :meth:`ChildProcess.send_signal`
+reaches its whole process group (data loaders, compilers), and
+:meth:`~ChildProcess.kill_group` ends what it left there: called before
+the exited child is reaped, while the zombie keeps that group id from being
+reused. The pidfd has one owner, the child's
+:class:`~watchdogd_client._proc.PinnedProcess`; :meth:`~ChildProcess.close`
+stops watching it and lets it go, once, on every path — even when the
+loop refuses the unwatch. A rank's cgroup, when there is one, belongs here
+too: it goes when the child goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Callable
+from typing import Protocol
+
+from watchdogd.linux import aio
+from watchdogd_client._proc import PinnedProcess
+
+__all__ = ["ChildProcess", "WorkerProcess"]
+
+
+class WorkerProcess(Protocol):
+    """How a child was started: ``subprocess.Popen`` is one."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def wait(self) -> int:
+        """Its exit status, once its pidfd said it exited (negative: the signal)."""
+        ...
+
+    def poll(self) -> int | None: ...
+
+
+class ChildProcess:
+    """``process``, started by this daemon in a session of its own, pinned from now on."""
+
+    def __init__(self, process: WorkerProcess) -> None:
+        self.process = process
+        self.pid = process.pid
+        self.pinned = PinnedProcess(process.pid)
+        self.returncode: int | None = None
+        self._watched = False
+
+    @property
+    def pidfd(self) -> int:
+        return self.pinned.pidfd
+
+    def watch(self, on_exit: Callable[[], None]) -> None:
+        """Call ``on_exit()`` from the loop once it has exited (until :meth:`unwatch`)."""
+        aio.watch_readable(self.pinned.pidfd, on_exit)
+        self._watched = True
+
+    def unwatch(self) -> None:
+        if self._watched:
+            self._watched = False
+            with contextlib.suppress(ValueError, OSError):
+                aio.unwatch(self.pinned.pidfd)
+
+    def exited(self) -> bool:
+        """Gone, or going: reaped, closed, or its pidfd says so (its exit is being handled)."""
+        return self.returncode is not None or self.pinned.exited()
+
+    def send_signal(self, signum: int) -> None:
+        """``signum`` to its process group while it runs; nothing once it has exited."""
+        if self.exited():
+            return
+        # Alive, so its pid names its process group once it leads one; a callable's
+        # worker makes its own as it starts: before that, only the pidfd reaches it.
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError):
+                self.pinned.send_signal(signum)
+
+    def kill_group(self) -> None:
+        """SIGKILL its process group, exited or not: what it left there, before it is reaped."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        """Close, and collect its exit status: once its pidfd said it exited, this never blocks."""
+        self.close()
+        self.returncode = self.process.wait()
+        return self.returncode
+
+    def let_go(self) -> int | None:
+        """Close, and collect its exit status if it has one: never waits, so one that
+        SIGKILL could not end (stuck in uninterruptible sleep) is left to the kernel
+        rather than hang the loop."""
+        self.close()
+        self.returncode = self.process.poll()
+        return self.returncode
+
+    def close(self) -> None:
+        """Stop watching and let the pidfd go; safe to call again."""
+        try:
+            self.unwatch()
+        finally:
+            self.pinned.close()

@@ -1,0 +1,151 @@
+"""The workers this daemon launched: one started rank, the index of all by pid, how an
+exit reads.
+
+A :class:`Worker` is one local rank of one attempt. Its process is a
+:class:`~watchdogd.groups.child.ChildProcess` (the one owner of its pidfd);
+the :class:`WorkerIndex` is what the timer service sees of every group's
+workers (its ``Supervision`` port).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import anyio
+import msgspec
+
+from watchdogd.core.flight_recorder import Recorder
+from watchdogd.core.ports import SupervisedWorker
+from watchdogd.groups.child import ChildProcess, WorkerProcess
+
+__all__ = [
+    "Endpoints",
+    "Worker",
+    "WorkerIndex",
+    "describe_exit",
+    "read_error_file",
+    "visible_gpus",
+]
+
+Metadata = dict[str, str | int | float | bool | None]
+
+
+class Endpoints(NamedTuple):
+    """The timer service's endpoints, handed to every worker."""
+
+    socket_path: str
+    fifo_path: str
+
+
+class Worker:
+    """Local rank ``local_rank`` (global ``rank``) of attempt ``attempt``, started."""
+
+    def __init__(
+        self,
+        local_rank: int,
+        rank: int,
+        attempt: int,
+        process: WorkerProcess,
+        *,
+        error_file: str | None,
+        about: Metadata,
+    ) -> None:
+        self.local_rank = local_rank
+        self.rank = rank
+        self.attempt = attempt
+        self.child = ChildProcess(process)
+        self.pid = process.pid
+        self.exited = anyio.Event()
+        """Set once its exit was handled (reaped, reported to the group)."""
+        self.started = time.time()
+        self.error_file = error_file
+        self.about: Metadata = {**about, "worker_id": self.pid}
+        """torch's worker event metadata."""
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.child.returncode
+
+
+class WorkerIndex:
+    """The workers this daemon launched, by pid: the timer service's ``Supervision`` port.
+
+    FIFO requests may target these pids; a timer that signals one is kept
+    for its group's failure report.
+    """
+
+    def __init__(self) -> None:
+        self._workers: dict[int, SupervisedWorker] = {}
+        self._expired_scopes: dict[int, str] = {}
+        # group -> pid -> the flight recorder of that rank, for workers that run one.
+        self._recorders: dict[str, dict[int, Recorder]] = {}
+
+    def add(self, pid: int, worker: SupervisedWorker, recorder: Recorder | None = None) -> None:
+        self._workers[pid] = worker
+        if recorder is not None:
+            self._recorders.setdefault(worker.group, {})[pid] = recorder
+
+    def remove(self, pid: int) -> None:
+        worker = self._workers.pop(pid, None)
+        recorders = None if worker is None else self._recorders.get(worker.group)
+        if recorders is not None:
+            recorders.pop(pid, None)
+
+    def take_expired_scope(self, pid: int) -> str | None:
+        return self._expired_scopes.pop(pid, None)
+
+    def is_supervised(self, pid: int) -> bool:
+        return pid in self._workers
+
+    def worker(self, pid: int) -> SupervisedWorker | None:
+        return self._workers.get(pid)
+
+    def timer_fired(self, pid: int, scope_id: str) -> None:
+        if pid in self._workers:
+            self._expired_scopes[pid] = scope_id
+
+    def flight_recorders(self, pid: int) -> list[Recorder]:
+        worker = self._workers.get(pid)
+        recorders = {} if worker is None else self._recorders.get(worker.group, {})
+        return sorted(recorders.values(), key=lambda r: r.rank)
+
+    def __contains__(self, pid: object) -> bool:
+        return pid in self._workers
+
+
+def visible_gpus() -> list[str] | None:
+    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES``, else the driver's list."""
+    configured = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if configured is not None:
+        return [d.strip() for d in configured.split(",") if d.strip()]
+    driver = Path("/proc/driver/nvidia/gpus")
+    if driver.is_dir():
+        return [str(i) for i in range(len(list(driver.iterdir())))]
+    return None
+
+
+def read_error_file(path: str | None) -> str | None:
+    """The message of a torch ``@record`` error file, if the worker wrote one."""
+    if path is None:
+        return None
+    try:
+        data = msgspec.json.decode(Path(path).read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    return str(message) if message is not None else None
+
+
+def describe_exit(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
