@@ -96,7 +96,7 @@ def test_watchdogd_run_learns_per_attempt_and_names_a_bad_flag(tmp_path: Path) -
         (("--deadline", "step:margin=0"), "margin"),
         (("--deadline", "st[ep"), "scope"),
         (("--deadline", "step:samples=5,initial"), "'initial' is not KEY=VALUE"),
-        (("--job-key", "../etc"), "job_key"),
+        (("--job-key", "../etc"), "--job-key"),  # the flag given
     ]:
         bad = run(*flags, str(worker))
         assert bad.returncode == 2 and named in bad.stderr, bad.stderr
