@@ -23,6 +23,7 @@ import signal as _signal
 import time
 import weakref
 from collections.abc import Iterator
+from functools import partial
 from typing import TypeVar
 
 from . import _faults
@@ -69,14 +70,17 @@ class SocketTimerClient(TimerClient):
         self.timeout = timeout
         self.name = name
         self.stack_signal = stack_signal
-        self._held: dict[str, tuple[float, int, bool]] = {}
+        held: dict[str, tuple[float, int, bool]] = {}
+        self._held = held
         """Scope -> (expiration time, signal, learned): what a reconnect re-arms."""
         self._conn = Connection(
             self.path,
             timeout=timeout,
             name=name,
             stack_dumps=StackDumpFile(stack_signal),
-            rearm=self._rearm,
+            # Not a bound method: the connection must not keep the client alive, so a
+            # client dropped without close() is freed (and its socket closed) at once.
+            rearm=partial(_rearm_frames, held),
         )
         _live_clients.add(self)
         _faults.install()  # only where the daemon offers fault injection
@@ -122,11 +126,13 @@ class SocketTimerClient(TimerClient):
         self._send(p.Acquire(scope_id, expiration_time, signal, pid))
 
     def release_for(self, pid: int, scope_id: str) -> None:
+        if pid == os.getpid():  # its own: a reconnect must not bring it back
+            self._held.pop(scope_id, None)
         self._send(p.Release(scope_id, pid))
 
     def release_all(self, pid: int | None = None) -> None:
         """Disarm every timer of ``pid`` (default: this process)."""
-        if pid is None:
+        if pid is None or pid == os.getpid():
             self._held.clear()
         self._send(p.ReleaseAll(pid))
 
@@ -229,11 +235,12 @@ class SocketTimerClient(TimerClient):
         conn.send(encode(message))
         conn.raise_pending()
 
-    def _rearm(self) -> Iterator[bytes]:
-        """What a new connection must carry first: the timers this client holds."""
-        for scope_id, (expiration_time, signal, learn) in self._held.items():
-            # A learned one is resolved again, by the daemon now serving.
-            yield encode(p.Acquire(scope_id, expiration_time, signal, learn=learn))
+
+def _rearm_frames(held: dict[str, tuple[float, int, bool]]) -> Iterator[bytes]:
+    """What a new connection must carry first: the timers the client holds."""
+    for scope_id, (expiration_time, signal, learn) in held.items():
+        # A learned one is resolved again, by the daemon now serving.
+        yield encode(p.Acquire(scope_id, expiration_time, signal, learn=learn))
 
 
 def _forget_connections_after_fork() -> None:

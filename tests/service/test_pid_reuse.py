@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import grp
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from watchdogd.linux import procs
 
 from ..conftest import REPO
 
@@ -574,3 +577,13 @@ def test_admin_check_uses_the_connecting_process_credentials(
     assert replies[1]["code"] == "refused"
     assert result["victim_alive_after_deadline"]
     assert result["counters"]["signalled"] == 0
+
+
+def test_a_peer_in_another_pid_namespace_leaks_no_pidfd() -> None:
+    # SO_PEERCRED reads pid 0 for a peer the daemon's namespace cannot see; the
+    # pidfd the kernel gave for it is the daemon's to close.
+    pidfd = os.pidfd_open(os.getpid())
+    with pytest.raises(ProcessLookupError):
+        procs.open_process(0, pidfd)
+    with pytest.raises(OSError):
+        os.fstat(pidfd)

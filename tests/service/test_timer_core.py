@@ -231,3 +231,16 @@ class CoreMatchesModel(RuleBasedStateMachine):
 
 TestCoreMatchesModel = CoreMatchesModel.TestCase
 TestCoreMatchesModel.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+
+
+def test_a_peers_request_read_after_its_pid_was_taken_arms_nothing() -> None:
+    # The peer (start time 1) exited with its acquire unread; its number now names
+    # another process (start time 2) that the watch pinned meanwhile.
+    machine = CoreMatchesModel()
+    pid = _FIRST_PID
+    machine.processes.exit(pid)
+    assert machine.core.arm(_ROOT, pid, "other's", machine.now + _WALL_OFFSET + 60, 9) is None
+    peer = ProcessHandle(pid, -1, 0, 1, False)
+    refusal = machine.core.arm(_ROOT, pid, "peer's", machine.now + _WALL_OFFSET + 1, 9, peer)
+    assert refusal is not None and refusal[0] == "no_such_process"
+    assert [t.scope_id for t in machine.core.table] == ["other's"]

@@ -265,3 +265,33 @@ def test_a_page_from_an_older_daemon_is_closed_and_frames_are_used(short_dir: Pa
         thread.join(5)
         server.close()
     assert [type(r) for r in received] == [p.Hello, p.Acquire, p.Release]
+
+
+def test_a_client_dropped_without_close_is_freed_at_once(short_dir: Path) -> None:
+    # Trainers often turn the cycle collector off: a client and its connection
+    # must not keep each other (and the daemon's connection) alive.
+    import gc
+    import weakref
+
+    client = wd.SocketTimerClient(short_dir / "no.sock")
+    dropped = weakref.ref(client)
+    gc.disable()
+    try:
+        del client
+        assert dropped() is None
+    finally:
+        gc.enable()
+
+
+def test_releasing_its_own_pid_by_number_leaves_nothing_to_rearm(short_dir: Path) -> None:
+    # A reconnect re-arms what the client holds: a timer released with the
+    # process's own pid spelt out must not come back at its passed deadline.
+    client = wd.SocketTimerClient(short_dir / "no.sock")
+    client._held["a"] = (time.time() + 1, 9, False)
+    client._held["b"] = (time.time() + 1, 9, False)
+    client._conn.send = lambda data: 0  # type: ignore[method-assign]  # no daemon here
+    client._conn.raise_pending = lambda: None  # type: ignore[method-assign]
+    client.release_for(os.getpid(), "a")
+    assert list(client._held) == ["b"]
+    client.release_all(os.getpid())
+    assert list(client._conn.rearm()) == []

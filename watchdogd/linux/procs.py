@@ -104,6 +104,9 @@ def open_process(pid: int, pidfd: int | None = None) -> ProcessHandle:
     ``pidfd``, when given, already pins it (``SO_PEERPIDFD``): it is adopted.
     """
     if not 0 < pid <= _PID_MAX:
+        # 0: a peer in another pid namespace. An adopted pidfd is ours to close.
+        if pidfd is not None:
+            os.close(pidfd)
         raise ProcessLookupError(pid)
     if pidfd is None:
         try:

@@ -249,6 +249,10 @@ class TimerCore:
             return rejection
         handle = self.watch.process(pid)
         new_handle = handle is None
+        if handle is not None and pinned is not None and pinned.start_time != handle.start_time:
+            # The watch holds another process under the peer's number: the peer
+            # exited with this request unread, and the number was taken since.
+            return "no_such_process", f"process {pid} exited before its request was read"
         if handle is None:
             opened = self._open(pid, pinned)
             if isinstance(opened, tuple):
