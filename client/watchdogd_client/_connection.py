@@ -27,6 +27,7 @@ from . import protocol as p
 from ._errors import DaemonUnavailableError, ProtocolError, RequestError
 from ._frames import encode
 from ._stack_dumps import StackDumpFile, can_mark
+from ._trace_server import serve_trace
 from .framing import FrameSplitter, FrameTooLargeError
 
 __all__ = ["Connection"]
@@ -156,6 +157,7 @@ class Connection:
         self._frames.clear()
         self._next_seq = 1
         self._hello(sock)
+        serve_trace()
         for data in self.rearm():
             self._sendall(sock, data)
             self._next_seq += 1

@@ -1,8 +1,9 @@
-"""Collective traces before the kill: every rank's NCCL flight recorder, made to dump.
+"""Collective traces before the kill: every rank's flight recorder, made to dump.
 
-The ranks run ``tests/flight_recorder_standin.py``, which owns its pipe and
-writes its trace when poked as torch's ``ProcessGroupNCCL`` does; real
-FIFOs, real processes, the installed commands.
+NCCL's ranks run ``tests/flight_recorder_standin.py``, which owns its pipe
+and writes its trace when poked as torch's ``ProcessGroupNCCL`` does; real
+FIFOs, real processes, the installed commands. gloo's is a real torch job
+(``tests/gloo_hang_worker.py``), asked through torch's worker server.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib.util
 import json
 import os
 import pickle
+import socket
 import stat
 import subprocess
 import sys
@@ -20,14 +22,16 @@ from pathlib import Path
 
 import pytest
 
-from watchdogd.core.flight_recorder import Recorder, decode_trace, trace_rows
-from watchdogd.linux.flight_recorder import collect
+from watchdogd.core.flight_recorder import Recorder, decode_trace, summarize_trace, trace_rows
+from watchdogd.linux.flight_recorder import MAX_TRACE, collect
+from watchdogd.linux.worker_server import fetch_trace
 
-from ..conftest import REPO, wait_until
+from ..conftest import REPO, wait_until, watchdogd_run
 from ..flight_recorder_standin import FlightRecorder
 from .test_cli import ctl, serve
 
 STANDIN = REPO / "tests" / "flight_recorder_standin.py"
+GLOO_HANG = REPO / "tests" / "gloo_hang_worker.py"
 
 
 def test_a_hang_leaves_the_trace_of_every_rank_of_its_group(short_dir: Path) -> None:
@@ -213,3 +217,70 @@ dist.destroy_process_group()
     (row,) = trace_rows(trace)
     assert row[3] == "gloo:all_reduce"
     assert row[6] == [[4]]
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_gloo_job_leaves_every_ranks_collectives(short_dir: Path) -> None:
+    """Rank 0 hangs in gloo's all_reduce (its main thread in C) past its timer; rank 1 never
+    reached it. No pipe listens under gloo: the traces come from torch's worker servers."""
+    pytest.importorskip("torch")
+    logs = short_dir / "logs"
+    out = watchdogd_run(
+        "--flight-recorder", "--log-dir", str(logs), "--nproc-per-node", "2",
+        "--max-restarts", "0", "--master-addr", "127.0.0.1", str(GLOO_HANG),
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "timer 'hang' expired" in out.stderr, out.stderr
+    (dump,) = (logs / "default" / "dumps").glob("*.txt")
+    traces = {
+        rank: decode_trace((dump.parent / f"{dump.stem}.rank{rank}.trace").read_bytes())
+        for rank in (0, 1)
+    }
+    for trace in traces.values():
+        names = [row[3] for row in trace_rows(trace)]
+        assert names[:3] == ["gloo:all_reduce"] * 3
+    assert summarize_trace(traces[0]).startswith(
+        "waiting in gloo:all_reduce (pg 0:default_pg, seq 4,"
+    )
+    assert summarize_trace(traces[1]).startswith(
+        "nothing pending; last gloo:all_reduce (pg 0:default_pg, seq 3,"
+    )
+
+
+def test_a_worker_server_that_is_not_the_ranks_is_never_asked(short_dir: Path) -> None:
+    path = short_dir / "trace_rank_0.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    with server:
+        # Served by this process, not by the rank's (pid 1): the request is not sent.
+        data, problem = fetch_trace(str(path), 1, os.geteuid(), MAX_TRACE, time.monotonic() + 2)
+        assert data == b""
+        assert f"served by pid {os.getpid()}, not the rank's 1" in problem
+        peer, _ = server.accept()
+        with peer:
+            peer.settimeout(0.2)
+            assert peer.recv(100) == b""  # it was closed, never written to
+
+
+def test_a_worker_server_that_never_answers_costs_its_deadline_only(short_dir: Path) -> None:
+    path = short_dir / "trace_rank_0.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+    with server:  # it accepts (the backlog does) and never writes a byte
+        started = time.monotonic()
+        data, problem = fetch_trace(str(path), os.getpid(), os.geteuid(), MAX_TRACE, started + 0.3)
+        assert time.monotonic() - started < 1
+    assert data == b""
+    assert "did not come whole before the deadline" in problem
+
+
+def test_collect_says_why_no_way_gave_a_trace(short_dir: Path) -> None:
+    recorder = Recorder(
+        0, 1, str(short_dir / "pipe_0.pipe"), str(short_dir / "t0"), os.geteuid(),
+        (str(short_dir / "torch_rank_0.sock"),),
+    )  # fmt: skip
+    problem = collect(recorder, time.monotonic() + 1).problem
+    assert "no flight recorder listening" in problem
+    assert "the rank serves no trace there" in problem

@@ -15,6 +15,8 @@ from watchdogd.core.flight_recorder import (
     recorder_paths,
     summarize_trace,
     trace_rows,
+    trace_server_env,
+    trace_servers,
 )
 
 
@@ -54,6 +56,36 @@ def test_flight_recorder_flag_keeps_a_buffer_size_the_user_chose() -> None:
     # A recorder turned off by the variable that wins is turned on by the flag.
     off = {"TORCH_FR_BUFFER_SIZE": "0"}
     assert recorder_paths({**off, **flight_recorder_env("/d", off)}, 0) is not None
+
+
+def test_a_rank_serves_its_trace_on_each_socket_short_enough_to_bind() -> None:
+    env = trace_server_env("/logs/g/attempt_0/flight_recorder", 5)
+    assert env == {
+        "TORCH_WORKER_SERVER_SOCKET": "/logs/g/attempt_0/flight_recorder/torch_rank_5.sock",
+        "WATCHDOGD_TRACE_SERVER": "/logs/g/attempt_0/flight_recorder/trace_rank_5.sock",
+    }
+    # torch's server would fail the rank at a path sockaddr_un cannot hold: none is named.
+    assert trace_server_env("/" + "d" * 90, 5) == {}
+    assert trace_servers(env) == ()  # no ring buffer: nothing recorded to serve
+    served = {**env, "TORCH_FR_BUFFER_SIZE": "10"}
+    assert trace_servers(served) == tuple(env.values())  # torch's own first
+
+
+def test_a_worker_servers_json_trace_decodes_and_summarizes() -> None:
+    """What torch 2.13's ``fr_trace_json`` answers for gloo (cut down): the pickle's dict."""
+    data = (
+        b'{"entries":[{"collective_seq_id":4,"process_group":["0","default_pg"],'
+        b'"profiling_name":"gloo:all_reduce","retired":false,"state":"scheduled",'
+        b'"is_p2p":false,"input_sizes":[[4]]}],"pg_config":{},"version":"2.10"}'
+    )
+    trace = decode_trace(data)
+    assert (
+        summarize_trace(trace) == "waiting in gloo:all_reduce (pg 0:default_pg, seq 4, scheduled)"
+    )
+    with pytest.raises(TraceError):
+        decode_trace(b'{"entries": 3}')
+    with pytest.raises(TraceError):
+        decode_trace(b'{"entries": [')
 
 
 class Exploit:

@@ -377,7 +377,7 @@ def cmd_dump(client: SocketTimerClient, args: argparse.Namespace) -> None:
     print(f"# pid {info.pid}, timer {info.scope_id!r}, via {info.method or 'no stacks'}")
     sys.stdout.write(dump.text)
     if info.traces:
-        print("\n# NCCL flight-recorder traces (watchdogctl dump ID --trace RANK)")
+        print("\n# flight-recorder traces (watchdogctl dump ID --trace RANK)")
         rows = [
             (t.rank, t.pid, t.size or "-", _trace_summary(client, info.id, t)) for t in info.traces
         ]
@@ -385,7 +385,8 @@ def cmd_dump(client: SocketTimerClient, args: argparse.Namespace) -> None:
 
 
 def _print_trace(client: SocketTimerClient, args: argparse.Namespace) -> None:
-    """One rank's trace: decoded (values only, never objects), as JSON, or raw (torch's pickle)."""
+    """One rank's trace: decoded (values only, never objects), as JSON, or raw (torch's pickle
+    from an NCCL pipe, torch's JSON from a worker server)."""
     data = client.get_trace(args.id, args.trace).data
     if args.raw:
         sys.stdout.buffer.write(data)
@@ -442,7 +443,9 @@ def _parser() -> argparse.ArgumentParser:
         "--trace", type=int, metavar="RANK", help="print this global rank's collective trace"
     )
     subs["dump"].add_argument(
-        "--raw", action="store_true", help="with --trace: the trace as the rank wrote it (pickle)"
+        "--raw",
+        action="store_true",
+        help="with --trace: the trace as the rank gave it (NCCL: pickle; gloo: JSON)",
     )
     for name in ("timers", "scopes", "stragglers", "status", "groups", "events", "dumps", "dump"):
         subs[name].add_argument("--json", action="store_true", help="print JSON, not a table")

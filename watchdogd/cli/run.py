@@ -166,8 +166,8 @@ def add_run_arguments(
         "--flight-recorder",
         action="store_true",
         default=argparse.SUPPRESS,
-        help="turn on torch's NCCL flight recorder in the workers; every rank's trace is "
-        "kept with the dump of a hung one",
+        help="turn on torch's flight recorder in the workers (NCCL and gloo); every rank's "
+        "trace is kept with the dump of a hung one",
     )
     parser.add_argument(
         "training_script", nargs="?", metavar="SCRIPT", help="script, module, or -- CMD ARGS"

@@ -1,4 +1,4 @@
-"""torch's NCCL flight recorder, seen from outside: where each rank listens, what it writes. Pure.
+"""torch's flight recorder, seen from outside: where each rank listens, what it writes. Pure.
 
 Rules (torch 2.13, ``ProcessGroupNCCL.hpp`` and ``FlightRecorder.hpp``)
 ----------------------------------------------------------------------
@@ -20,6 +20,15 @@ Rules (torch 2.13, ``ProcessGroupNCCL.hpp`` and ``FlightRecorder.hpp``)
   :func:`decode_trace` reads exactly that and refuses any pickle that
   names a class or function, so an untrusted file can build nothing but
   values.
+- No other backend listens on that pipe: gloo records its collectives
+  in the same ring, but torch only serves it from its worker server
+  (``_WorkerServer``, a C++ HTTP server on a Unix socket, so it answers
+  while the main thread is blocked in a collective): ``POST
+  /handler/fr_trace_json`` answers the trace as JSON, the same dict.
+  torch's ``worker_main()`` starts it at ``TORCH_WORKER_SERVER_SOCKET``;
+  the client starts another at ``WATCHDOGD_TRACE_SERVER`` for trainers
+  that do not enter ``worker_main()`` (two paths: torch's refuses one
+  that exists, and would fail a trainer that entered it late).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import msgspec
 __all__ = [
     "DEFAULT_TRACE_PREFIX",
     "TRACE_COLUMNS",
+    "TRACE_SERVER_VARIABLES",
     "Recorder",
     "TraceError",
     "decode_trace",
@@ -42,11 +52,17 @@ __all__ = [
     "summarize_trace",
     "trace_header",
     "trace_rows",
+    "trace_server_env",
+    "trace_servers",
 ]
 
 DEFAULT_TRACE_PREFIX = "/tmp/nccl_trace_rank_"
 # torch's example size; large enough for the last few hundred steps' collectives.
 DEFAULT_BUFFER_SIZE = 2000
+# torch's own (worker_main), then the client's: the sockets a rank's trace is served on.
+TRACE_SERVER_VARIABLES = ("TORCH_WORKER_SERVER_SOCKET", "WATCHDOGD_TRACE_SERVER")
+# sockaddr_un's sun_path holds 108 bytes, its NUL included: a longer path cannot be bound.
+_MAX_SOCKET_PATH = 107
 
 
 class Recorder(msgspec.Struct, frozen=True):
@@ -58,6 +74,8 @@ class Recorder(msgspec.Struct, frozen=True):
     trace: str
     uid: int
     """Who must own both files (the worker's uid): a file of anyone else's is not its trace."""
+    servers: tuple[str, ...] = ()
+    """The Unix sockets of its worker servers, asked in turn when no pipe answers (gloo)."""
 
 
 class TraceError(ValueError):
@@ -88,6 +106,23 @@ def recorder_paths(env: Mapping[str, str], rank: int) -> tuple[str, str] | None:
     return f"{stem}{rank}.pipe", f"{prefix}{rank}"
 
 
+def trace_servers(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The sockets a rank under ``env`` serves its trace on, if it records one."""
+    if _buffer_size(env) <= 0:
+        return ()
+    return tuple(env[name] for name in TRACE_SERVER_VARIABLES if env.get(name))
+
+
+def trace_server_env(directory: str, rank: int) -> dict[str, str]:
+    """Where global rank ``rank`` serves its trace under ``--flight-recorder``: a socket per
+    server in ``directory``, none whose path is too long to bind (torch's would fail the rank)."""
+    paths = {
+        "TORCH_WORKER_SERVER_SOCKET": f"{directory}/torch_rank_{rank}.sock",
+        "WATCHDOGD_TRACE_SERVER": f"{directory}/trace_rank_{rank}.sock",
+    }
+    return {name: path for name, path in paths.items() if len(path.encode()) <= _MAX_SOCKET_PATH}
+
+
 def flight_recorder_env(directory: str, env: Mapping[str, str]) -> dict[str, str]:
     """What ``--flight-recorder`` sets: a ring buffer, and pipes and traces in ``directory``.
 
@@ -109,6 +144,17 @@ def flight_recorder_env(directory: str, env: Mapping[str, str]) -> dict[str, str
     return chosen
 
 
+# What a pickle or JSON decoder raises on bytes that are not a trace.
+_UNREADABLE = (
+    pickle.UnpicklingError,
+    msgspec.DecodeError,
+    EOFError,
+    ValueError,
+    TypeError,
+    IndexError,
+)
+
+
 class _ValuesOnly(pickle.Unpickler):
     """An unpickler that can build no object: every class or function lookup is refused."""
 
@@ -117,10 +163,14 @@ class _ValuesOnly(pickle.Unpickler):
 
 
 def decode_trace(data: bytes) -> dict[str, object]:
-    """The trace's top-level dict; TraceError if ``data`` is anything else."""
+    """The trace's top-level dict, from torch's pickle (the NCCL pipe's) or JSON (a worker
+    server's); TraceError if ``data`` is anything else."""
     try:
-        decoded = _ValuesOnly(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as e:
+        if data.lstrip()[:1] == b"{":
+            decoded = msgspec.json.decode(data)
+        else:
+            decoded = _ValuesOnly(io.BytesIO(data)).load()
+    except _UNREADABLE as e:
         raise TraceError(f"not a flight-recorder trace: {e}") from None
     if not isinstance(decoded, dict) or not isinstance(decoded.get("entries", []), list):
         raise TraceError("not a flight-recorder trace: no dict with a list of entries")

@@ -16,7 +16,7 @@ from typing import Literal
 
 import msgspec
 
-from watchdogd.core.flight_recorder import flight_recorder_env
+from watchdogd.core.flight_recorder import flight_recorder_env, trace_server_env
 from watchdogd_client.groups import GroupSpec
 
 __all__ = [
@@ -292,8 +292,8 @@ def worker_env(
 ) -> dict[str, str]:
     """The full environment of one worker: ``base`` (the daemon's), the spec's, torchrun's.
 
-    ``recorder_dir``: where torch's NCCL flight recorder puts its pipes and traces
-    (``flight_recorder`` in the spec); None: the variables are left as they are.
+    ``recorder_dir``: where torch's flight recorder puts its pipes, traces and
+    sockets (``flight_recorder`` in the spec); None: the variables are left as they are.
     """
     rank = placement.rank(local_rank, spec.nproc)
     world_size = placement.world(spec.nproc)
@@ -329,6 +329,7 @@ def worker_env(
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     if recorder_dir is not None:
         env.update(flight_recorder_env(str(recorder_dir), env))
+        env.update(trace_server_env(str(recorder_dir), rank))
     return env
 
 

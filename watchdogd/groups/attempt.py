@@ -18,7 +18,7 @@ from pathlib import Path
 
 import anyio
 
-from watchdogd.core.flight_recorder import Recorder, recorder_paths
+from watchdogd.core.flight_recorder import Recorder, recorder_paths, trace_servers
 from watchdogd.core.ports import EventSink, GroupError, SupervisedWorker
 from watchdogd.core.workerenv import Placement, StreamRoute, log_prefix, worker_env
 from watchdogd.groups.features import CpuBinding, Feature
@@ -146,12 +146,14 @@ class AttemptLauncher:
 
     @staticmethod
     def _recorder(env: dict[str, str], worker: Worker) -> Recorder | None:
-        """The rank's NCCL flight recorder, if its environment turns one on."""
-        paths = recorder_paths(env, worker.rank)
-        if paths is None:
+        """The rank's flight recorder, if its environment turns one on: the NCCL pipe's,
+        its worker servers' (gloo), or both."""
+        pipe, trace = recorder_paths(env, worker.rank) or ("", "")
+        servers = trace_servers(env)
+        if not pipe and not servers:
             return None
-        # The worker runs as the daemon does: its pipe and trace are the daemon's uid's.
-        return Recorder(worker.rank, worker.pid, *paths, uid=os.geteuid())
+        # The worker runs as the daemon does: its pipe, trace and sockets are the daemon's uid's.
+        return Recorder(worker.rank, worker.pid, pipe, trace, os.geteuid(), servers)
 
     def _open_logs(
         self, envs: dict[int, dict[str, str]], routes: Routes

@@ -1,4 +1,8 @@
-"""Making a rank's NCCL flight recorder dump, and reading the dump: blocking calls, for a thread.
+"""Making a rank's flight recorder dump, and reading the dump: blocking calls, for a thread.
+
+An NCCL rank is poked through its pipe; a rank whose pipe nobody reads
+(gloo: torch listens there only for NCCL) is asked through its worker
+servers instead (:mod:`watchdogd.linux.worker_server`).
 
 The paths come from a worker's environment, so neither is trusted: a
 symlink planted at either is never followed (``O_NOFOLLOW``, the pipe
@@ -21,6 +25,7 @@ import time
 import msgspec
 
 from watchdogd.core.flight_recorder import Recorder
+from watchdogd.linux.worker_server import fetch_trace
 
 __all__ = ["MAX_TRACE", "Collected", "collect"]
 
@@ -130,7 +135,24 @@ def _complete(data: bytes) -> bool:
 
 
 def collect(recorder: Recorder, deadline: float) -> Collected:
-    """Poke the rank's pipe and wait, until ``deadline`` (monotonic), for a new, whole trace.
+    """The rank's trace by the first way that gives one: its NCCL pipe, then each of its
+    worker servers; else every way's reason, until ``deadline`` (monotonic)."""
+    problems = []
+    if recorder.pipe:
+        collected = _collect_from_pipe(recorder, deadline)
+        if collected.data:
+            return collected
+        problems.append(collected.problem)
+    for server in recorder.servers:
+        data, problem = fetch_trace(server, recorder.pid, recorder.uid, MAX_TRACE, deadline)
+        if not problem:
+            return Collected(data=data)
+        problems.append(problem)
+    return Collected(problem="; ".join(problems))
+
+
+def _collect_from_pipe(recorder: Recorder, deadline: float) -> Collected:
+    """Poke the rank's pipe and wait, until ``deadline``, for a new, whole trace.
 
     torch writes the file in place, so a trace is taken once it is new
     (another inode, time or size than before the poke), ends as a pickle
