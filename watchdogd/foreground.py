@@ -5,13 +5,14 @@ for a Python call: a :class:`~watchdogd.daemon.Daemon` on a private
 runtime directory (so it never collides with the node's daemon), one group
 submitted to it, and the daemon stopped once the group is over. Stack dumps
 of hung workers outlive the run: beside the logs, or kept in the runtime
-directory, which is otherwise removed.
+directory, which is otherwise removed on every way out; a runtime directory
+whose run was killed before it could is swept by the next run
+(:mod:`watchdogd.linux.run_dirs`).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from watchdogd.daemon import Daemon
 from watchdogd.groups.runner import GroupRunner, visible_gpus
 from watchdogd.groups.starters import WorkerStarter
 from watchdogd.linux import aio as _aio
+from watchdogd.linux.run_dirs import make_run_dir, sweep, tidy
 from watchdogd_client.groups import GroupSpec, GroupState
 
 __all__ = ["Outcome", "run_group", "this_host"]
@@ -74,7 +76,7 @@ def _run_config(config: Config, spec: GroupSpec) -> tuple[Config, Path | None]:
         changes["metrics_listen"] = health_port
     runtime_dir = None
     if config.runtime_dir is None and config.socket is None:
-        runtime_dir = Path(tempfile.mkdtemp(prefix="watchdogd-run-"))
+        runtime_dir = make_run_dir()
         changes["runtime_dir"] = str(runtime_dir)
     if config.state_dir is None:
         state_dir = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
@@ -83,7 +85,7 @@ def _run_config(config: Config, spec: GroupSpec) -> tuple[Config, Path | None]:
         return override(config, "the run's environment", **changes), runtime_dir
     except BaseException:
         if runtime_dir is not None:
-            shutil.rmtree(runtime_dir)
+            tidy(runtime_dir)
         raise
 
 
@@ -103,13 +105,16 @@ def run_group(
     ``embedded``), and ``on_started`` gets a function that hands it a signal
     from any thread.
     """
+    swept = sweep()
     config, runtime_dir = _run_config(config, spec)
     try:
         daemon = Daemon(config, embedded=on_started is not None)
     except BaseException:
         if runtime_dir is not None:
-            shutil.rmtree(runtime_dir)
+            tidy(runtime_dir)
         raise
+    if swept:
+        daemon.events.emit("stale_run_dirs_swept", paths=" ".join(map(str, swept)))
     group = _GroupRun(daemon, spec, starter)
     group.outcome.daemon = daemon
     try:
@@ -120,16 +125,10 @@ def run_group(
                 on_started(lambda signum: portal.start_task_soon(group.signalled, signum))
                 portal.call(group.serve, ())
     finally:
-        dumps = daemon.stacks.list() if daemon.stacks.directory.is_dir() else []
-        if dumps:
+        if daemon.stacks.directory.is_dir() and daemon.stacks.list():
             group.outcome.dumps = daemon.stacks.directory
         if runtime_dir is not None:
-            if dumps:
-                for leftover in runtime_dir.iterdir():
-                    if leftover.name != "dumps":
-                        leftover.unlink()
-            else:
-                shutil.rmtree(runtime_dir)
+            tidy(runtime_dir)
     outcome = group.outcome
     if outcome.error is None:
         outcome.runner = daemon.supervisor.groups[spec.name]

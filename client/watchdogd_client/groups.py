@@ -252,6 +252,9 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     attempt), so that every rank's collective trace is taken before a hung one is killed."""
     uninterruptible_state_timeout: Seconds | None = None
     """A worker in D state this long makes the group UNHEALTHY (None: not checked)."""
+    gpu_release_timeout: NonNegativeSeconds = 30.0
+    """Before a restart, how long to wait for the last attempt's processes to give their
+    GPU memory back (NVML; 0: don't wait)."""
     idle_timeout: Seconds | None = None
     """A worker that holds no timer this long, after its first one, is treated as hung:
     the daemon arms the timer ``(idle)`` on it whenever it holds none (None: off)."""

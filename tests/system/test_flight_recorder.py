@@ -102,7 +102,7 @@ def test_a_hang_leaves_the_trace_of_every_rank_of_its_group(short_dir: Path) -> 
 @pytest.fixture
 def recorder(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Recorder:
     """Rank 3's recorder, listening in this process (its monitor thread polls every 10 ms)."""
-    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "100")
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", str(short_dir / "pipe_"))
     monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(short_dir / "trace_"))
     monkeypatch.setenv("TORCH_NCCL_COORD_CHECK_MILSEC", "10")

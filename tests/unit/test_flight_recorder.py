@@ -46,13 +46,16 @@ def test_the_newer_trace_variable_wins() -> None:
 
 def test_flight_recorder_flag_keeps_a_buffer_size_the_user_chose() -> None:
     env = flight_recorder_env("/logs/g/attempt_1/flight_recorder", {})
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000"
+    # The deprecated name makes every rank print torch's warning: never set.
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env
     assert recorder_paths(env, 7) == (
         "/logs/g/attempt_1/flight_recorder/pipe_rank_7.pipe",
         "/logs/g/attempt_1/flight_recorder/trace_rank_7",
     )
     chosen = flight_recorder_env("/d", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000"})
-    assert chosen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "20000"
+    assert chosen["TORCH_FR_BUFFER_SIZE"] == "20000"  # the user's size, under the new name
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in chosen
     # A recorder turned off by the variable that wins is turned on by the flag.
     off = {"TORCH_FR_BUFFER_SIZE": "0"}
     assert recorder_paths({**off, **flight_recorder_env("/d", off)}, 0) is not None

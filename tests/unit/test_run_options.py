@@ -263,6 +263,18 @@ def test_launch_config_maps_into_the_options(tmp_path: Path) -> None:
     assert (rdzv.node_rank, rdzv.master_addr, rdzv.master_port) == (1, "node0", 29500)
 
 
+def test_the_gpu_release_wait_from_either_front_or_the_groups_default(tmp_path: Path) -> None:
+    assert group_spec(cli(), host(tmp_path)).gpu_release_timeout == 30.0
+    flagged = cli("--gpu-release-timeout", "12.5")
+    assert group_spec(flagged, host(tmp_path)).gpu_release_timeout == 12.5
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+    options = launch_options(config, ["prog"], gpu_release_timeout=0)
+    assert group_spec(options, host(tmp_path)).gpu_release_timeout == 0
+    with pytest.raises(OptionsError) as caught:
+        run_options({"gpu_release_timeout": -1})
+    assert caught.value.field == "gpu_release_timeout"
+
+
 # -- the daemon's config: every change checked ------------------------------------------
 
 

@@ -115,6 +115,9 @@ def add_run_arguments(
           help="bind local rank i to CPUs near GPU i (torch's rules, no numactl)")  # fmt: skip
     flag("--shutdown-timeout", type=float,
           help="SIGTERM to SIGKILL (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)")  # fmt: skip
+    flag("--gpu-release-timeout", type=float, metavar="SECONDS",
+          help="before a restart, wait this long at most for the last attempt's processes "
+          "to give their GPU memory back (NVML; 0: don't wait; default 30)")  # fmt: skip
     flag("--idle-timeout", type=float, metavar="SECONDS",
           help="a worker holding no timer this long (after its first) is hung: dump, kill, "
           "restart (default: off)")  # fmt: skip

@@ -127,21 +127,20 @@ def flight_recorder_env(directory: str, env: Mapping[str, str]) -> dict[str, str
     """What ``--flight-recorder`` sets: a ring buffer, and pipes and traces in ``directory``.
 
     A buffer size the user chose is kept (one of 0 is not: the flag turns the
-    recorder on); both trace variables name the same prefix, so older and
-    newer torch write where the daemon looks.
+    recorder on). The size goes in ``TORCH_FR_BUFFER_SIZE`` only, which wins
+    over the deprecated ``TORCH_NCCL_TRACE_BUFFER_SIZE``: setting that one
+    makes every rank print torch's deprecation warning. Both trace variables
+    name the same prefix, so older and newer torch write where the daemon looks.
     """
     chosen_size = _buffer_size(env)
     size = str(chosen_size if chosen_size > 0 else DEFAULT_BUFFER_SIZE)
     prefix = f"{directory}/trace_rank_"
-    chosen = {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": size,
+    return {
+        "TORCH_FR_BUFFER_SIZE": size,
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": f"{directory}/pipe_rank_",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
         "TORCH_FR_DUMP_TEMP_FILE": prefix,
     }
-    if "TORCH_FR_BUFFER_SIZE" in env:  # it wins over the other: it must say the same
-        chosen["TORCH_FR_BUFFER_SIZE"] = size
-    return chosen
 
 
 # What a pickle or JSON decoder raises on bytes that are not a trace.

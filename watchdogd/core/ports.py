@@ -19,6 +19,7 @@ from watchdogd_client.groups import DeadlineRule, Fault, GroupInfo, GroupSpec
 
 __all__ = [
     "EventSink",
+    "GpuHolder",
     "GroupControl",
     "GroupError",
     "GroupRuns",
@@ -124,8 +125,19 @@ class GroupControl(Protocol):
     def infos(self) -> list[GroupInfo]: ...
 
 
+class GpuHolder(NamedTuple):
+    """A process that holds memory on a GPU, as NVML lists it."""
+
+    gpu: int
+    """NVML's index of the GPU."""
+    pid: int
+    used_mib: int | None
+    """None where NVML cannot say (no permission, MIG)."""
+
+
 class Hardware(Protocol):
-    """What NUMA binding reads of the node; both calls may block (NVML, sysfs)."""
+    """What the runner reads of the node (NUMA binding, GPU memory before a restart);
+    every call may block (NVML, sysfs)."""
 
     def gpus(self) -> list[Gpu]:
         """Every GPU with its PCI bus id, in NVML's order; NumaError when that is unknown."""
@@ -133,4 +145,9 @@ class Hardware(Protocol):
 
     def topology(self, bus_ids: Sequence[str]) -> Topology:
         """The NUMA nodes, their CPUs, and the nodes of these GPUs."""
+        ...
+
+    def gpu_holders(self) -> tuple[list[GpuHolder], str | None]:
+        """Every process holding memory on any GPU (NVML's per-process lists); or, with an
+        empty list, why that cannot be known (no NVML, no driver, no GPU)."""
         ...

@@ -122,6 +122,8 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     exit_barrier_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     """Multi-node: how long a finished node waits for the others (None: the group's default)."""
     uninterruptible_state_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    gpu_release_timeout: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    """None: the group's default (30 s)."""
     idle_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     job_key: str | None = None
     deadlines: list[DeadlineRule] = []
@@ -373,8 +375,9 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
         "faults": options.faults,
         "rendezvous": _rendezvous(options, host),
     }
-    if options.exit_barrier_timeout is not None:
-        table["exit_barrier_timeout"] = options.exit_barrier_timeout
+    for optional in ("exit_barrier_timeout", "gpu_release_timeout"):
+        if (value := getattr(options, optional)) is not None:
+            table[optional] = value
     try:
         spec = msgspec.convert(table, GroupSpec)
     except msgspec.ValidationError as e:

@@ -64,6 +64,7 @@ from watchdogd.groups.features import (
     StragglerSharing,
     WarmSpares,
 )
+from watchdogd.groups.gpu_release import GpuRelease
 from watchdogd.groups.logs_specs import CustomLogsSpecs, LogLayout, OwnLogs
 from watchdogd.groups.rendezvous import open_rendezvous
 from watchdogd.groups.starters import CommandStarter, WorkerStarter
@@ -156,6 +157,10 @@ class GroupRunner:
         if spec.uninterruptible_state_timeout:
             timeout = spec.uninterruptible_state_timeout
             self.features.append(DStateWatch(timeout, lambda: self.workers, self._post))
+        # Last: the spares warm while it waits.
+        self.features.append(
+            GpuRelease(spec.name, spec.gpu_release_timeout, hardware, lambda: self.workers, events)
+        )
         self.launcher = AttemptLauncher(
             spec,
             events=events,

@@ -5,7 +5,9 @@ on it, mapped to the worker groups and ranks this daemon supervises. Without
 NVML (no package, no driver, no GPU) it says why instead, and nothing else
 in the daemon notices.
 
-``pci_gpus`` lists the GPUs with their PCI bus ids, for NUMA binding.
+``pci_gpus`` lists the GPUs with their PCI bus ids, for NUMA binding, and
+``gpu_holders`` the processes holding memory on them (NVML's per-process
+lists), for the wait before a group's next attempt.
 
 ``XidWatcher`` waits, in a thread of its own, for NVML's critical events —
 XID errors and double-bit ECC errors — and reports each to the event loop,
@@ -19,9 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from watchdogd.core.numa import Gpu, NumaError, sysfs_bus_id
+from watchdogd.core.ports import GpuHolder
 from watchdogd_client.protocol import GpuInfo, GpuProcess
 
-__all__ = ["XidWatcher", "pci_gpus", "read_gpus"]
+__all__ = ["XidWatcher", "gpu_holders", "pci_gpus", "read_gpus"]
 
 _MIB = 1 << 20
 
@@ -76,6 +79,13 @@ def read_gpus(workers: dict[int, tuple[str, int]]) -> tuple[list[GpuInfo], str |
         return [], f"NVML query failed: {e}"
     finally:
         nvml.nvmlShutdown()
+
+
+def gpu_holders() -> tuple[list[GpuHolder], str | None]:
+    """Every process with memory on a GPU, by NVML index; or why that is unknown."""
+    gpus, reason = read_gpus({})
+    holders = [GpuHolder(gpu.index, p.pid, p.used_mib) for gpu in gpus for p in gpu.processes]
+    return holders, reason
 
 
 def _text(value: bytes | str) -> str:

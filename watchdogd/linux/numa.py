@@ -13,7 +13,8 @@ thread that calls ``Popen`` narrows its own mask for the call and restores
 it right after; other threads and the rest of the daemon are untouched.
 
 :class:`NodeHardware` is the supervisor's ``Hardware`` port: NVML for the
-GPUs, this module for the rest; tests hand it their own GPU list and sysfs.
+GPUs and the processes holding their memory, this module for the rest;
+tests hand it their own GPU list and sysfs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from watchdogd.core.numa import Cpu, Gpu, Topology, parse_cpulist
-from watchdogd.linux.gpus import pci_gpus
+from watchdogd.core.ports import GpuHolder
+from watchdogd.linux.gpus import gpu_holders, pci_gpus
 
 __all__ = ["NodeHardware", "bound_to", "read_topology"]
 
@@ -105,11 +107,14 @@ def bound_to(cpus: frozenset[int] | None) -> Iterator[None]:
 
 
 class NodeHardware:
-    """The ``Hardware`` port: GPUs from ``gpus`` (NVML), topology from ``sysfs``."""
+    """The ``Hardware`` port: GPUs and their processes from NVML, topology from ``sysfs``."""
 
     def __init__(self, *, sysfs: Path = SYSFS, gpus: Callable[[], list[Gpu]] = pci_gpus) -> None:
         self.sysfs = sysfs
         self._gpus = gpus
+
+    def gpu_holders(self) -> tuple[list[GpuHolder], str | None]:
+        return gpu_holders()
 
     def gpus(self) -> list[Gpu]:
         return self._gpus()

@@ -36,6 +36,7 @@ class Stat(msgspec.Struct, frozen=True):
     ppid: int
     flags: int
     start_time: int
+    session: int
 
 
 class ProcessHandle(PinnedProcess):
@@ -71,7 +72,7 @@ def read_rss(pid: int) -> int | None:
 def read_stat(pid: int) -> Stat:
     """Fields of ``/proc/PID/stat``; ProcessLookupError if there is no such process."""
     fields = stat_fields(pid)
-    return Stat(fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]))
+    return Stat(fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]), int(fields[3]))
 
 
 def catches_signal(pid: int, signum: int) -> bool:
