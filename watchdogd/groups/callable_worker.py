@@ -1,17 +1,17 @@
 """A worker that runs a Python callable: the child side of ``starters.CallableStarter``.
 
 ``multiprocessing`` starts it in the caller's process (``spawn`` or
-``forkserver``), so the caller's functions and arguments (a
-``multiprocessing`` queue among them) unpickle here, never in a daemon. It
-becomes a session leader (so the group is signalled as a whole, as a command
-worker is), takes the environment and the streams the runner chose, and runs
-the callable. Before any of that it places itself in its rank's cgroup and
-asks to die with its parent (:func:`watchdogd.linux.enter_cell.enter`);
-under ``spawn``, the caller's ``__main__`` was imported (as ``__mp_main__``)
-and the callable unpickled before, outside it. Its return value is pickled
-to a file for the caller; an exception, or a return value that cannot be pickled, goes to torch's error
-file (``TORCHELASTIC_ERROR_FILE``) in torch's ``@record`` format and the
-worker exits 1. Standard library only: this is every worker's start-up.
+``forkserver``), so the caller's functions and arguments (a ``multiprocessing``
+queue among them) unpickle here, never in a daemon. It becomes a session leader
+(so the group is signalled as a whole, as a command worker is), takes the
+environment and the streams the runner chose, and runs the callable. Before any
+of that it places itself in its rank's cgroup and asks to die with its parent
+(:func:`watchdogd.linux.enter_cell.enter`); under ``spawn``, the caller's
+``__main__`` was imported (as ``__mp_main__``) and the callable unpickled
+before, outside it. Its return value is pickled to a file for the caller; an
+exception, or a return value that cannot be pickled, goes to torch's error file
+(``TORCHELASTIC_ERROR_FILE``) in torch's ``@record`` format and the worker
+exits 1. Standard library only: this is every worker's start-up.
 """
 
 from __future__ import annotations
