@@ -233,6 +233,8 @@ class Daemon:
             self.supervisor.endpoints = Endpoints(str(self.socket_path), str(self.fifo_path))
             listener = await anyio.abc.SocketListener.from_socket(raw_socket)
             cleanup.callback(self.watch.close)
+            await self.supervisor.open_containment(self.config.process_containment == "auto")
+            cleanup.callback(self.supervisor.close_containment)
             self.persistence.restore()
             async with anyio.create_task_group() as tg, listener:
                 aio.watch_readable(fifo_fd, partial(self.fifo_front.on_readable, fifo_fd))
@@ -459,4 +461,5 @@ class Daemon:
             suppressed=dict(stats.suppressed),
             gpus=gpus,
             gpu_note=gpu_note,
+            containment=self.supervisor.containment_info(),
         )

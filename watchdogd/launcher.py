@@ -478,8 +478,11 @@ def run_launch(
             starter = CallableStarter(entrypoint, args, config.start_method, results)
         except GroupError as e:  # a start method it cannot use
             raise ValueError(str(e)) from None
-        _check_callable(entrypoint, config.start_method)
-        return _launch(run, spec, name, starter)
+        try:
+            _check_callable(entrypoint, config.start_method)
+            return _launch(run, spec, name, starter)
+        finally:
+            starter.close()
     finally:
         shutil.rmtree(results, ignore_errors=True)
 

@@ -391,6 +391,9 @@ class StatusInfo(msgspec.Struct, tag="status_info", tag_field="op", kw_only=True
     gpus: list[GpuInfo] = []
     gpu_note: str | None = None
     """Why there is no GPU information (no NVML, no driver, no GPU)."""
+    containment: str = ""
+    """How workers and all they start are ended: a cgroup per worker, or the weaker mode
+    and why."""
 
 
 class EventBatch(msgspec.Struct, tag="event_batch", tag_field="op"):

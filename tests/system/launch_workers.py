@@ -79,3 +79,18 @@ def all_reduce() -> tuple[float, int]:
         except OSError:
             continue
     return float(total.item()), helpers
+
+
+def leaves_children(marker: str, out_dir: str) -> int:
+    """Starts a sleeper in a session of its own and one in its own session, notes their
+    pids in ``out_dir``, and returns: what torchrun leaves running."""
+    import subprocess
+    import sys
+
+    for own_session in (True, False):
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(3000)", marker],
+            start_new_session=own_session,
+        )
+        Path(out_dir, f"child-{child.pid}").touch()
+    return int(os.environ["RANK"])

@@ -43,7 +43,9 @@ def probe_env(tmp_path: Path, out: Path) -> dict[str, str]:
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "wd_prewarm_probe.py").write_text(PROBE)
-    return {"PYTHONPATH": str(site), "OUT": str(out)}
+    # The rest of PYTHONPATH stays: the daemon and the spares it starts run the same code.
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "OUT": str(out)}
 
 
 def normalised(seen: dict[str, object]) -> dict[str, object]:
@@ -173,7 +175,8 @@ def test_spares_leave_with_the_group_and_a_dying_one_is_reported(tmp_path: Path)
     worker.write_text("import time\ntime.sleep(4)\nprint('worker done')\n")
     events = tmp_path / "events.jsonl"
     out = run("--nproc-per-node", "2", "--prewarm", token, "--event-log", str(events),
-              str(worker), env={"PYTHONPATH": str(site)})  # fmt: skip
+              str(worker), env={"PYTHONPATH": os.pathsep.join(
+                  filter(None, [str(site), os.environ.get("PYTHONPATH")]))})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("worker done") == 2
     assert _spares_alive(token) == []

@@ -49,6 +49,13 @@ def test_units_verify_without_a_single_warning(tmp_path: Path) -> None:
     assert (out.returncode, out.stdout + out.stderr) == (0, "")
 
 
+def test_the_unit_delegates_its_cgroup_and_says_what_a_stop_and_a_restart_kill() -> None:
+    service = (REPO / "systemd/watchdogd.service").read_text()
+    keys = [line.strip() for line in service.splitlines() if not line.startswith("#")]
+    assert "Delegate=yes" in keys and "KillMode=mixed" in keys
+    assert "whatever KillMode says" in service  # the parent-death signal, documented
+
+
 class NotifyReceiver:
     """A fake ``$NOTIFY_SOCKET``: collects what the daemon tells systemd."""
 

@@ -150,6 +150,9 @@ def add_run_arguments(
     flag("--prewarm", metavar="MODULE[,MODULE…]",
           help="keep a warm spare per local rank that has imported these (e.g. torch): "
           "restarts skip the imports")  # fmt: skip
+    flag("--process-containment", choices=("auto", "session"),
+          help="auto: a cgroup v2 per worker where the hierarchy may be written, else the "
+          "weaker session mode; session: always the weaker mode (default auto)")  # fmt: skip
     flag("--logs-specs", metavar="NAME",
           help="where workers' logs go: torch's 'default' (watchdogd's own layout), or a "
           "LogsSpecs class named in entry point group torchrun.logs_specs")  # fmt: skip

@@ -266,6 +266,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     loop_nice: Annotated[int, msgspec.Meta(ge=-20, le=19)] | None = None
     """The event loop thread's nice value (workers start at 0 or above); None: as started.
     Below 0 a trainer's request preempts the trainer for the loop's turn (README)."""
+    process_containment: Literal["auto", "session"] = "auto"
+    """How a worker and all it starts are ended: ``auto``, a cgroup v2 per worker where the
+    hierarchy may be written (else ``session``); ``session``, the weaker mode: its process
+    group and a sweep of ``/proc`` (README "Operations"). Read at start."""
     limits: Limits = msgspec.field(default_factory=Limits)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     groups: list[GroupSpec] = []

@@ -136,6 +136,8 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """At exit, write the run's timeline as a Chrome trace here (the command line's)."""
     straggler_window: int | None = None
     straggler_publish_interval: float | None = None
+    process_containment: Literal["auto", "session"] | None = None
+    """None: the config's (``auto``)."""
 
     def __post_init__(self) -> None:
         # Raised as "field: message" so that run_options() can tell the field.
@@ -394,6 +396,7 @@ def daemon_config(options: RunOptions, config: Config) -> Config:
             ("event_log", options.event_log),
             ("straggler_window", options.straggler_window),
             ("straggler_publish_interval", options.straggler_publish_interval),
+            ("process_containment", options.process_containment),
         )
         if value is not None
     }

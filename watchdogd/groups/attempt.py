@@ -21,6 +21,7 @@ import anyio
 from watchdogd.core.flight_recorder import Recorder, recorder_paths, trace_servers
 from watchdogd.core.ports import EventSink, GroupError, SupervisedWorker
 from watchdogd.core.workerenv import Placement, StreamRoute, log_prefix, worker_env
+from watchdogd.groups.containment import AttemptCells
 from watchdogd.groups.features import CpuBinding, Feature
 from watchdogd.groups.logs_specs import LogLayout, Routes
 from watchdogd.groups.starters import Started, WorkerStarter
@@ -44,6 +45,7 @@ class AttemptLauncher:
         starter: WorkerStarter,
         logs: LogLayout,
         binding: CpuBinding,
+        cells: AttemptCells,
         features: list[Feature],
         gpus: dict[int, str | None],
         run_dir: Path,
@@ -56,6 +58,7 @@ class AttemptLauncher:
         self.starter = starter
         self.logs = logs
         self.binding = binding
+        self.cells = cells
         self.features = features
         self.gpus = gpus
         self.run_dir = run_dir
@@ -90,11 +93,13 @@ class AttemptLauncher:
                 rank = placement.rank(local_rank, self.spec.nproc)
                 opened = targets.pop(local_rank)
                 started = await self._spawn(local_rank, attempt, env, opened)
+                self.cells.join(started.cell)
                 worker = Worker(
                     local_rank,
                     rank,
                     attempt,
                     started.process,
+                    started.cell,
                     error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
                     about={**about, "global_rank": rank, "local_rank": local_rank},
                 )
@@ -183,10 +188,12 @@ class AttemptLauncher:
     ) -> Started:
         """Start one worker on its opened streams, which are closed on failure."""
         cpus = self.binding.cpus(local_rank)
-        start = partial(self.starter.start, local_rank, attempt, env, targets, cpus)
+        cell = self.cells.cell(f"a{attempt}.rank{local_rank}")
+        start = partial(self.starter.start, local_rank, attempt, env, targets, cpus, cell)
         try:
             return await anyio.to_thread.run_sync(start) if self.starter.off_loop else start()
         except BaseException as e:
+            cell.remove()
             for target in targets:
                 target.close()
             if not isinstance(e, OSError | GroupError):

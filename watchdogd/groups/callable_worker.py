@@ -1,14 +1,17 @@
 """A worker that runs a Python callable: the child side of ``starters.CallableStarter``.
 
 ``multiprocessing`` starts it in the caller's process (``spawn`` or
-``forkserver``), so the caller's functions and arguments (a
-``multiprocessing`` queue among them) unpickle here, never in a daemon. It
-becomes a session leader (so the group is signalled as a whole, as a command
-worker is), takes the environment and the streams the runner chose, and runs
-the callable. Its return value is pickled to a file for the caller; an
-exception, or a return value that cannot be pickled, goes to torch's error
-file (``TORCHELASTIC_ERROR_FILE``) in torch's ``@record`` format and the
-worker exits 1. Standard library only: this is every worker's start-up.
+``forkserver``), so the caller's functions and arguments (a ``multiprocessing``
+queue among them) unpickle here, never in a daemon. It becomes a session leader
+(so the group is signalled as a whole, as a command worker is), takes the
+environment and the streams the runner chose, and runs the callable. Before any
+of that it places itself in its rank's cgroup and asks to die with its parent
+(:func:`watchdogd.linux.enter_cell.enter`); under ``spawn``, the caller's
+``__main__`` was imported (as ``__mp_main__``) and the callable unpickled
+before, outside it. Its return value is pickled to a file for the caller; an
+exception, or a return value that cannot be pickled, goes to torch's error file
+(``TORCHELASTIC_ERROR_FILE``) in torch's ``@record`` format and the worker
+exits 1. Standard library only: this is every worker's start-up.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing import reduction
 from typing import Any
+
+from watchdogd.linux.enter_cell import enter
 
 __all__ = ["InheritedFd", "WorkerCall", "run"]
 
@@ -53,7 +58,11 @@ class WorkerCall:
         stderr: InheritedFd | None,
         result_path: str,
         cpus: frozenset[int] | None,
+        procs: str | None,
+        parent: int | None,
     ) -> None:
+        """``procs``: its cgroup's ``cgroup.procs``; ``parent``: the pid its parent must
+        have (None: a forkserver's child, whose parent is the server)."""
         self.function = function
         self.args = tuple(args)
         self.env = env
@@ -61,6 +70,8 @@ class WorkerCall:
         self.stderr = stderr
         self.result_path = result_path
         self.cpus = cpus
+        self.procs = procs
+        self.parent = parent
 
 
 def _record(error_file: str, message: str, stack: str) -> None:
@@ -84,6 +95,7 @@ def _record(error_file: str, message: str, stack: str) -> None:
 
 def run(call: WorkerCall) -> None:
     """The ``multiprocessing`` target: become the worker, run the callable, report."""
+    enter(call.procs, call.parent)
     os.setsid()
     if call.cpus is not None:
         os.sched_setaffinity(0, call.cpus)

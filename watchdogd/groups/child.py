@@ -7,8 +7,9 @@ the exited child is reaped, while the zombie keeps that group id from being
 reused. The pidfd has one owner, the child's
 :class:`~watchdogd_client._proc.PinnedProcess`; :meth:`~ChildProcess.close`
 stops watching it and lets it go, once, on every path — even when the
-loop refuses the unwatch. A rank's cgroup, when there is one, belongs here
-too: it goes when the child goes.
+loop refuses the unwatch. The child's :class:`Cell` (its cgroup, or its
+session in the fallback; :mod:`watchdogd.groups.containment`) holds all it
+starts: :meth:`~ChildProcess.kill_group` ends them all.
 """
 
 from __future__ import annotations
@@ -22,7 +23,27 @@ from typing import Protocol
 from watchdogd.linux import aio
 from watchdogd_client._proc import PinnedProcess
 
-__all__ = ["ChildProcess", "WorkerProcess"]
+__all__ = ["Cell", "ChildProcess", "WorkerProcess"]
+
+
+class Cell(Protocol):
+    """Where one child and all it starts run: a cgroup, or a session found in ``/proc``."""
+
+    procs: str | None
+    """The ``cgroup.procs`` the child writes ``0`` to before user code (None: no cgroup)."""
+
+    def bind(self, pid: int) -> None:
+        """The child is ``pid``."""
+
+    def kill(self) -> None:
+        """SIGKILL everything in it."""
+
+    def alive(self) -> list[int]:
+        """The pids still running in it."""
+        ...
+
+    def remove(self) -> None:
+        """Let it go, once empty."""
 
 
 class WorkerProcess(Protocol):
@@ -41,10 +62,13 @@ class WorkerProcess(Protocol):
 class ChildProcess:
     """``process``, started by this daemon in a session of its own, pinned from now on."""
 
-    def __init__(self, process: WorkerProcess) -> None:
+    def __init__(self, process: WorkerProcess, cell: Cell | None = None) -> None:
         self.process = process
         self.pid = process.pid
         self.pinned = PinnedProcess(process.pid)
+        self.cell = cell
+        if cell is not None:
+            cell.bind(process.pid)
         self.returncode: int | None = None
         self._watched = False
 
@@ -80,9 +104,12 @@ class ChildProcess:
                 self.pinned.send_signal(signum)
 
     def kill_group(self) -> None:
-        """SIGKILL its process group, exited or not: what it left there, before it is reaped."""
+        """SIGKILL its process group and its cell, exited or not: what it left there,
+        before it is reaped."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
+        if self.cell is not None:
+            self.cell.kill()
 
     def wait(self) -> int:
         """Close, and collect its exit status: once its pidfd said it exited, this never blocks."""

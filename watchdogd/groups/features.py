@@ -38,6 +38,7 @@ from watchdogd.core.workerenv import (
     rank_stable_env,
     worker_env,
 )
+from watchdogd.groups.child import Cell
 from watchdogd.groups.faults import FaultInjector
 from watchdogd.groups.rendezvous import Rendezvous
 from watchdogd.groups.spares import SparePool
@@ -174,6 +175,7 @@ class WarmSpares(Feature):
         endpoints: Endpoints,
         gpus: dict[int, str | None],
         binding: CpuBinding,
+        cells: Callable[[str], Cell],
     ) -> WarmSpares:
         try:
             command = python_command(spec.entrypoint)
@@ -206,6 +208,7 @@ class WarmSpares(Feature):
             rank_env=spare_env,
             cwd=spec.cwd,
             cold=CommandStarter(spec),
+            cells=cells,
         )
         return cls(pool, spec.nproc, binding)
 

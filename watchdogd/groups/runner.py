@@ -15,8 +15,10 @@ an attempt's workers is :class:`~watchdogd.groups.attempt.AttemptLauncher`'s.
 
 Workers stop in the reverse of their start order, as groups do
 (:meth:`Supervisor.stop_all <watchdogd.groups.supervisor.Supervisor.stop_all>`).
-When a worker exits, whatever it left in its process group is killed before
-the worker is reaped, while its pid still names that group.
+When a worker exits, whatever it left in its process group and its cell
+(:mod:`~watchdogd.groups.containment`) is killed before the worker is
+reaped, while its pid still names that group; the next attempt starts once
+every cell of the last is empty.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from watchdogd.core.ports import EventSink, GroupError, Hardware, StragglerShare
 from watchdogd.core.rdzv_state import Change, RendezvousError
 from watchdogd.core.workerenv import Placement, gpu_assignment
 from watchdogd.groups.attempt import AttemptLauncher
+from watchdogd.groups.containment import AttemptCells, Containment
 from watchdogd.groups.faults import FaultInjector, RankProcess
 from watchdogd.groups.features import (
     CpuBinding,
@@ -97,6 +100,7 @@ class GroupRunner:
         endpoints: Endpoints,
         workers: WorkerIndex,
         hardware: Hardware,
+        containment: Containment,
         starter: WorkerStarter | None = None,
         fault_injection: bool = False,
         stragglers: StragglerShare | None = None,
@@ -137,12 +141,16 @@ class GroupRunner:
         logs: LogLayout = (
             CustomLogsSpecs(spec, spec.logs_specs) if spec.logs_specs is not None else OwnLogs(spec)
         )
-        self.features: list[Feature] = [self.binding, logs]
+        # First: the last attempt's processes are gone before anything else prepares.
+        self.cells = AttemptCells(containment, spec.name, events)
+        self.features: list[Feature] = [self.cells, self.binding, logs]
         """In the order they start; they close in the reverse."""
         if starter is None:
             starter = CommandStarter(spec)
             if spec.prewarm:
-                spares = WarmSpares.for_group(spec, events, endpoints, self.gpus, self.binding)
+                spares = WarmSpares.for_group(
+                    spec, events, endpoints, self.gpus, self.binding, self.cells.cell
+                )
                 starter = spares.pool
                 self.features.append(spares)
         self.faults: FaultInjection | NoFaultInjection = NoFaultInjection(spec.name)
@@ -169,6 +177,7 @@ class GroupRunner:
             starter=starter,
             logs=logs,
             binding=self.binding,
+            cells=self.cells,
             features=self.features,
             gpus=self.gpus,
             run_dir=self.run_dir,

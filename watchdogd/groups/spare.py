@@ -1,15 +1,18 @@
 """A warm spare: an interpreter that imported a group's heavy modules and waits to be a worker.
 
-Run as ``PYTHON [-u …] -m watchdogd.groups.spare CONTROL_FD MODULE…`` by the
-daemon (:mod:`watchdogd.groups.spares`), with the rank-stable part of the
-worker's environment. It imports each ``MODULE`` (``torch`` …), says
-:class:`Ready` on its control socket, and waits. No user code runs before
-the assignment: the :class:`Assignment` (the attempt's whole environment,
-``argv``, the script or module) comes with the worker's stdout and stderr
-as descriptors. The spare then becomes the worker as ``python script.py
-args`` or ``python -m module args`` would start: ``os.environ``,
-``sys.argv``, ``sys.path[0]``, a fresh ``__main__`` (``__name__``,
-``__file__``), the streams; it already leads a session of its own.
+Run as ``PYTHON [-u …] -m watchdogd.groups.spare CONTROL_FD PROCS PARENT
+MODULE…`` by the daemon (:mod:`watchdogd.groups.spares`), with the rank-stable
+part of the worker's environment. It first places itself in its own cgroup
+(``PROCS``, ``-`` for none; memory stays charged where a page was first
+touched, so a spare is born where its worker will run) and asks to die with its
+parent (:func:`~watchdogd.linux.enter_cell.enter`). It imports each ``MODULE``
+(``torch`` …), says :class:`Ready` on its control socket, and waits. No user
+code runs before the assignment: the :class:`Assignment` (the attempt's whole
+environment, ``argv``, the script or module) comes with the worker's stdout and
+stderr as descriptors. The spare then becomes the worker as ``python script.py
+args`` or ``python -m module args`` would start: ``os.environ``, ``sys.argv``,
+``sys.path[0]``, a fresh ``__main__`` (``__name__``, ``__file__``), the
+streams; it already leads a session of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Literal
 
 import msgspec
 
+from watchdogd.linux.enter_cell import enter
 from watchdogd_client.framing import FrameSplitter, frame
 
 __all__ = ["MAX_ASSIGNMENT", "Assignment", "Failed", "Ready", "Report"]
@@ -103,8 +107,10 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 
 
 def main() -> None:
+    procs, parent = sys.argv[2], int(sys.argv[3])
+    enter(None if procs == "-" else procs, parent)
     control = socket.socket(fileno=int(sys.argv[1]))
-    modules = sys.argv[2:]
+    modules = sys.argv[4:]
     report: Report = Ready()
     for name in modules:
         try:

@@ -33,7 +33,7 @@ import msgspec
 
 from watchdogd.core.ports import EventSink
 from watchdogd.core.workerenv import PythonCommand
-from watchdogd.groups.child import ChildProcess
+from watchdogd.groups.child import Cell, ChildProcess
 from watchdogd.groups.spare import Assignment, Failed, Ready, Report
 from watchdogd.groups.starters import Started, WorkerStarter, substitute_local_rank
 from watchdogd.groups.worker_logs import Target, child_stream
@@ -54,10 +54,17 @@ _MAX_BACKOFF = 60.0
 
 
 class _Spare:
-    def __init__(self, local_rank: int, popen: subprocess.Popen[bytes], control: socket.socket):
+    def __init__(
+        self,
+        local_rank: int,
+        popen: subprocess.Popen[bytes],
+        control: socket.socket,
+        cell: Cell,
+    ) -> None:
         self.local_rank = local_rank
         self.popen = popen
-        self.child = ChildProcess(popen)
+        self.child = ChildProcess(popen, cell)
+        self.cell = cell
         self.control = control
         self.ready = False
         self.failure: str | None = None
@@ -92,7 +99,9 @@ class SparePool:
         rank_env: Callable[[int], dict[str, str]],
         cwd: str | None,
         cold: WorkerStarter,
+        cells: Callable[[str], Cell],
     ) -> None:
+        """``cells(name)``: a new cell for a spare."""
         self.group = group
         self.command = command
         self.modules = modules
@@ -100,6 +109,7 @@ class SparePool:
         self.rank_env = rank_env
         self.cwd = cwd
         self.cold = cold
+        self.cells = cells
         self.nproc = 0
         self.cpus: dict[int, frozenset[int]] | None = None
         self.spares: dict[int, _Spare] = {}
@@ -152,6 +162,7 @@ class SparePool:
         self._wanted.set()
 
     def _start_spare(self, local_rank: int) -> _Spare:
+        cell = self.cells(f"spare{local_rank}")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         command = [
             self.command.python,
@@ -159,6 +170,8 @@ class SparePool:
             "-m",
             "watchdogd.groups.spare",
             str(theirs.fileno()),
+            cell.procs or "-",
+            str(os.getpid()),
             *self.modules,
         ]
         cpus = self.cpus.get(local_rank) if self.cpus is not None else None
@@ -175,13 +188,14 @@ class SparePool:
                 )
         except BaseException:
             ours.close()
+            cell.remove()
             raise
         finally:
             theirs.close()
         if self._root:
             _renice(popen.pid, _LOWEST_PRIORITY)
         ours.setblocking(False)
-        spare = _Spare(local_rank, popen, ours)
+        spare = _Spare(local_rank, popen, ours, cell)
         aio.watch_readable(spare.control.fileno(), lambda: self._on_report(spare))
         spare.child.watch(lambda: self._on_exit(spare))
         return spare
@@ -210,7 +224,9 @@ class SparePool:
     @staticmethod
     def _reap(spare: _Spare) -> None:
         spare.close()
+        spare.child.kill_group()  # what it started while warming up
         spare.child.wait()
+        spare.cell.remove()
 
     def _on_exit(self, spare: _Spare) -> None:
         if self.spares.get(spare.local_rank) is not spare:
@@ -234,13 +250,14 @@ class SparePool:
         env: dict[str, str],
         streams: tuple[Target, Target],
         cpus: frozenset[int] | None,
+        cell: Cell,
     ) -> Started:
         spare = self.spares.pop(local_rank, None)
         self._wanted.set()  # its replacement, in the background
         if spare is None or spare.popen.poll() is not None:
             if spare is not None:
                 self._reap(spare)
-            return self.cold.start(local_rank, attempt, env, streams, cpus)
+            return self.cold.start(local_rank, attempt, env, streams, cpus, cell)
         spare.unwatch()
         ends: list[tuple[int | None, int | None]] = []
         try:
@@ -265,15 +282,16 @@ class SparePool:
                     os.close(ours)
             spare.child.kill_group()
             spare.child.watch(lambda: self._reap(spare))
-            return self.cold.start(local_rank, attempt, env, streams, cpus)
+            return self.cold.start(local_rank, attempt, env, streams, cpus, cell)
         finally:
             for _, theirs in ends:
                 if theirs is not None:
                     os.close(theirs)
         if self._root:
             _renice(spare.popen.pid, worker_priority())
-        spare.close()  # a worker now: the runner pins it
-        return Started(spare.popen, ends[0][0], ends[1][0])
+        spare.close()  # a worker now: the runner pins it, in the spare's cell
+        cell.remove()
+        return Started(spare.popen, ends[0][0], ends[1][0], spare.cell)
 
     # -- seeing and stopping them ------------------------------------------------------
 
@@ -300,6 +318,7 @@ class SparePool:
             with anyio.move_on_after(2.0):
                 await anyio.wait_readable(spare.child.pidfd)
             spare.close()
+            spare.cell.remove()
             if spare.child.let_go() is None:
                 log.warning("spare pid %d did not exit after SIGKILL; left behind", spare.popen.pid)
 

@@ -8,18 +8,22 @@ restarts are the runner's and the same for both.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
+import shutil
 import subprocess
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from string import Template
 from typing import Any, NamedTuple, Protocol
 
 from watchdogd.core.ports import GroupError
 from watchdogd.groups.callable_worker import InheritedFd, WorkerCall, run
-from watchdogd.groups.child import WorkerProcess
+from watchdogd.groups.child import Cell, WorkerProcess
 from watchdogd.groups.worker_logs import Target, child_stream
+from watchdogd.linux.enter_cell import shim_command
 from watchdogd.linux.numa import bound_to
 from watchdogd_client.groups import GroupSpec
 
@@ -40,6 +44,8 @@ class Started(NamedTuple):
     stdout: int | None
     """The read end of its stdout pipe when the stream is piped (the runner's now)."""
     stderr: int | None
+    cell: Cell
+    """Where it runs: the cell it was given, or a spare's own."""
 
 
 class WorkerStarter(Protocol):
@@ -53,8 +59,11 @@ class WorkerStarter(Protocol):
         env: dict[str, str],
         streams: tuple[Target, Target],
         cpus: frozenset[int] | None,
+        cell: Cell,
     ) -> Started:
-        """Start one worker (OSError when it cannot be); ``streams`` stay the caller's."""
+        """Start one worker in ``cell`` (OSError when it cannot be); ``streams`` stay the
+        caller's. The thread that calls this forks the worker, whose parent-death signal
+        fires when that thread ends: it must live as long as the group."""
         ...
 
 
@@ -76,7 +85,9 @@ def _take(pipe: Any) -> int | None:
 
 
 class CommandStarter:
-    """Each worker is the spec's ``entrypoint`` command, in a session of its own."""
+    """Each worker is the spec's ``entrypoint`` command, in a session of its own, started
+    through the exec shim that places it in its cell (:mod:`watchdogd.linux.enter_cell`)
+    from the loop's thread."""
 
     off_loop = False  # fork and exec: a millisecond or two
 
@@ -90,10 +101,17 @@ class CommandStarter:
         env: dict[str, str],
         streams: tuple[Target, Target],
         cpus: frozenset[int] | None,
+        cell: Cell,
     ) -> Started:
+        argv = substitute_local_rank(self.spec.entrypoint, local_rank)
+        # The shim execs the program: one it cannot find fails here, as Popen would.
+        cwd = self.spec.cwd or "."
+        program = argv[0] if "/" not in argv[0] else os.path.join(cwd, argv[0])
+        if shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
         with bound_to(cpus):
             popen = subprocess.Popen(
-                substitute_local_rank(self.spec.entrypoint, local_rank),
+                shim_command(cell.procs, argv),
                 env=env,
                 cwd=self.spec.cwd,
                 stdin=subprocess.DEVNULL,
@@ -101,7 +119,7 @@ class CommandStarter:
                 stderr=streams[1].popen,
                 start_new_session=True,
             )
-        return Started(popen, _take(popen.stdout), _take(popen.stderr))
+        return Started(popen, _take(popen.stdout), _take(popen.stderr), cell)
 
 
 class _Process:
@@ -124,8 +142,14 @@ class CallableStarter:
 
     Starting one blocks (``spawn`` writes the pickled call into the child, the
     forkserver answers with its pid), so the runner calls :meth:`start` from a
-    thread (``off_loop``). The worker binds itself to its CPUs: a forkserver's
-    children inherit the server's affinity, not the caller's. ``fork`` is
+    thread (``off_loop``), which hands it to the starter's own thread: the
+    parent-death signal a worker sets is tied to the thread that forked it,
+    and anyio's pool threads retire after 10 s idle, so the forking thread is
+    one that lives until :meth:`close`, after the group. (A forkserver's
+    workers are the server's children: they die with it, and it with this
+    process.) The worker binds itself to its CPUs and places itself in its
+    cell: a forkserver's children inherit the server's affinity, not the
+    caller's. ``fork`` is
     refused: the runner's loop thread is alive in this process, and forking a
     process with threads may leave the child holding a lock forever.
     """
@@ -148,7 +172,13 @@ class CallableStarter:
         self.function = function
         self.args = tuple(args)
         self.context: Any = multiprocessing.get_context(start_method)
+        self.start_method = start_method
         self.result_dir = result_dir
+        self._forker = ThreadPoolExecutor(1, thread_name_prefix="watchdogd-worker-starter")
+
+    def close(self) -> None:
+        """Once every worker is gone: the forking thread ends."""
+        self._forker.shutdown()
 
     off_loop = True
 
@@ -162,6 +192,19 @@ class CallableStarter:
         env: dict[str, str],
         streams: tuple[Target, Target],
         cpus: frozenset[int] | None,
+        cell: Cell,
+    ) -> Started:
+        forked = self._forker.submit(self._start, local_rank, attempt, env, streams, cpus, cell)
+        return forked.result()
+
+    def _start(
+        self,
+        local_rank: int,
+        attempt: int,
+        env: dict[str, str],
+        streams: tuple[Target, Target],
+        cpus: frozenset[int] | None,
+        cell: Cell,
     ) -> Started:
         ends: list[tuple[int | None, InheritedFd | None]] = []
         try:
@@ -176,6 +219,8 @@ class CallableStarter:
                 ends[1][1],
                 str(self.result_path(attempt, local_rank)),
                 cpus,
+                cell.procs,
+                os.getpid() if self.start_method == "spawn" else None,
             )
             process = self.context.Process(
                 target=run, args=(call,), name=f"local rank {local_rank}"
@@ -195,4 +240,4 @@ class CallableStarter:
             for _, theirs in ends:
                 if theirs is not None:
                     os.close(theirs.fd)
-        return Started(_Process(process), ends[0][0], ends[1][0])
+        return Started(_Process(process), ends[0][0], ends[1][0], cell)

@@ -19,6 +19,7 @@ import anyio.abc
 from watchdogd.core.config import SupervisorSettings
 from watchdogd.core.ports import EventSink, GroupError, GroupRuns, Hardware, StragglerShare
 from watchdogd.core.workerenv import apply_env_knobs
+from watchdogd.groups.containment import Containment
 from watchdogd.groups.runner import GroupRunner
 from watchdogd.groups.starters import WorkerStarter
 from watchdogd.groups.workers import Endpoints, WorkerIndex
@@ -52,12 +53,26 @@ class Supervisor:
         """Told when each group's run starts and ends (the timer service's learned state)."""
         self.groups: dict[str, GroupRunner] = {}
         """In start order."""
+        self.containment: Containment | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self.settings = settings
         self.on_finished: Callable[[GroupRunner, GroupState], None] | None = None
 
     def attach(self, task_group: anyio.abc.TaskGroup) -> None:
         self._task_group = task_group
+
+    async def open_containment(self, cgroups: bool) -> None:
+        """Before any group: end what a dead daemon left, and take this one's cgroup
+        (``cgroups``: where it may be written; else the weaker mode)."""
+        self.containment = await Containment.open(self.events, cgroups_allowed=cgroups)
+
+    def close_containment(self) -> None:
+        """After every group: this daemon's cgroup goes, its keeper stands down."""
+        if self.containment is not None:
+            self.containment.close()
+
+    def containment_info(self) -> str:
+        return "" if self.containment is None else self.containment.describe()
 
     def reconfigure(self, settings: SupervisorSettings) -> None:
         """Reloaded settings, for the groups submitted from now on and for ``inject``."""
@@ -71,7 +86,7 @@ class Supervisor:
         existing = self.groups.get(spec.name)
         if existing is not None and not existing.finished.is_set():
             raise GroupError(f"group {spec.name!r} is already running ({existing.state.value})")
-        if self._task_group is None:
+        if self._task_group is None or self.containment is None:
             raise GroupError("the supervisor is not running")
         if spec.faults and not self.settings.fault_injection:
             raise GroupError(
@@ -87,6 +102,7 @@ class Supervisor:
             endpoints=self.endpoints,
             workers=self.workers,
             hardware=self.hardware,
+            containment=self.containment,
             starter=starter,
             fault_injection=self.settings.fault_injection,
             stragglers=self.stragglers,

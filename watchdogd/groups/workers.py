@@ -20,7 +20,7 @@ import msgspec
 
 from watchdogd.core.flight_recorder import Recorder
 from watchdogd.core.ports import SupervisedWorker
-from watchdogd.groups.child import ChildProcess, WorkerProcess
+from watchdogd.groups.child import Cell, ChildProcess, WorkerProcess
 
 __all__ = [
     "Endpoints",
@@ -50,6 +50,7 @@ class Worker:
         rank: int,
         attempt: int,
         process: WorkerProcess,
+        cell: Cell,
         *,
         error_file: str | None,
         about: Metadata,
@@ -57,7 +58,7 @@ class Worker:
         self.local_rank = local_rank
         self.rank = rank
         self.attempt = attempt
-        self.child = ChildProcess(process)
+        self.child = ChildProcess(process, cell)
         self.pid = process.pid
         self.exited = anyio.Event()
         """Set once its exit was handled (reaped, reported to the group)."""

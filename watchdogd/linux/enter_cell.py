@@ -1,0 +1,72 @@
+"""The first steps of every child the daemon starts: into its rank's cgroup, dying with its parent.
+
+A child cannot be started inside a cgroup from Python (no ``CLONE_INTO_CGROUP``
+in ``subprocess``, and glibc's ``posix_spawnattr_setcgroup_np`` came in
+2.39), and ``preexec_fn`` is unsafe in a process with threads. So the child
+places itself, before any user code: it writes ``0`` to its cgroup's
+``cgroup.procs``, then asks for ``SIGKILL`` when the thread that forked it
+exits (``PR_SET_PDEATHSIG``), and checks that this parent is still there,
+since it may have died before the request.
+
+Run as a script for a command worker (a small exec shim, stdlib only, run
+with ``-I -S`` so it starts in ~10 ms)::
+
+    python -I -S enter_cell.py PROCS PARENT_PID -- PROGRAM ARGS…
+
+``PROCS`` is the ``cgroup.procs`` file (``-``: no cgroup, the weaker
+fallback); ``PARENT_PID`` the daemon's pid (``-``: no parent check). Then it
+``execvp`` s the program, which keeps both (a setuid program drops the
+parent-death signal). Spares and callable workers call :func:`enter` from
+project code instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+__all__ = ["enter", "shim_command"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def shim_command(procs: str | None, argv: list[str]) -> list[str]:
+    """``argv`` run through this shim, into ``procs``' cgroup, dying with this process's
+    forking thread. The file runs by path: ``-I -S`` leave no package to import."""
+    shim = os.path.abspath(__file__)
+    return [sys.executable, "-I", "-S", shim, procs or "-", str(os.getpid()), "--", *argv]
+
+
+def enter(procs: str | None, parent: int | None) -> None:
+    """Into the cgroup whose ``cgroup.procs`` is ``procs`` (None: none), then SIGKILL with
+    the forking thread's exit; exits at once if ``parent`` is no longer this one's parent."""
+    if procs is not None:
+        with open(procs, "w") as f:
+            f.write("0")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if parent is not None and os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)  # the parent died before the request: as it would have
+
+
+def _main(argv: list[str]) -> None:
+    procs, parent, separator, *command = argv
+    if separator != "--" or not command:
+        sys.exit("usage: enter_cell.py PROCS|- PARENT_PID|- -- PROGRAM ARGS…")
+    try:
+        enter(None if procs == "-" else procs, None if parent == "-" else int(parent))
+    except OSError as e:
+        sys.exit(f"watchdogd: cannot place the worker: {e}")
+    try:
+        os.execvp(command[0], command)
+    except OSError as e:
+        # The shell's status for a program that cannot be found or run.
+        print(f"watchdogd: cannot run {command[0]!r}: {e.strerror}", file=sys.stderr)
+        os._exit(127 if isinstance(e, FileNotFoundError) else 126)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
