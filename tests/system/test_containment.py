@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 import uuid
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from watchdogd.launcher import LaunchConfig, elastic_launch
-from watchdogd.linux import cgroups
+from watchdogd.linux import cgroups, enter_cell
 
 from ..conftest import wait_until
 from ..conftest import watchdogd_run as run
@@ -194,3 +195,24 @@ def test_watchdogctl_status_says_how_workers_are_contained(tmp_path: Path, mode:
         assert "cgroup v2 per worker" in line
     else:
         assert "weaker: sessions and /proc, no cgroup (process_containment = session)" in line
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["setpriv", "python-shim"])
+def test_the_shim_asks_for_the_parent_death_signal_then_runs_the_program(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if native and enter_cell._SETPRIV is None:
+        pytest.skip("no setpriv (util-linux) on this machine: the Python shim serves")
+    if not native:
+        monkeypatch.setattr(enter_cell, "_SETPRIV", None)
+    probe = (
+        "import ctypes; v = ctypes.c_int(); "
+        "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
+    )
+    out = subprocess.run(
+        enter_cell.shim_command(None, [sys.executable, "-c", probe]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, str(signal.SIGKILL)), out.stderr
