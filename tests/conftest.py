@@ -183,11 +183,19 @@ def watchdogd_run(
 
 
 def children(pid: int) -> list[int]:
-    """The children of process ``pid``, from every one of its threads."""
+    """The children of process ``pid``, from every one of its threads, but its
+    containment keeper (``watchdogd/linux/keeper.py``: the daemon's, not the job's)."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         found += [int(child) for child in (task / "children").read_text().split()]
-    return found
+    return [child for child in found if not _is_keeper(child)]
+
+
+def _is_keeper(pid: int) -> bool:
+    try:
+        return b"keeper.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def kill_nodes(started: list[subprocess.Popen[str]]) -> None:

@@ -257,6 +257,7 @@ class Daemon:
                     fifo=str(self.fifo_path),
                     activated=self._activated,
                     restored=len(self.timers),
+                    containment=self.supervisor.containment_info(),
                 )
                 for spec in self.config.groups:
                     self.supervisor.submit(spec)

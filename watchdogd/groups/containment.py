@@ -95,7 +95,6 @@ class Containment:
             log.warning("process containment is %s", containment.describe())
         else:
             containment._start_keeper()
-        events.emit("containment", mode=containment.mode, detail=containment.describe())
         return containment
 
     def _start_keeper(self) -> None:

@@ -111,7 +111,7 @@ class CommandStarter:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
         with bound_to(cpus):
             popen = subprocess.Popen(
-                shim_command(cell.procs, argv),
+                shim_command(cell.procs, argv, env.get("PWD")),
                 env=env,
                 cwd=self.spec.cwd,
                 stdin=subprocess.DEVNULL,

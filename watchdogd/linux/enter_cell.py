@@ -40,18 +40,24 @@ _PR_SET_PDEATHSIG = 1
 
 
 _SETPRIV = shutil.which("setpriv")
-# $1: the cgroup.procs file or -; then the program and its arguments.
+# $0: setpriv; $1: the cgroup.procs file or -; $2: the worker's PWD as given ("=DIR"), or
+# - for none, since the shell resets PWD to its own reading at start-up and the program
+# must see its environment as given (as a fresh worker under torchrun does).
 _NATIVE = (
-    'p=$1; shift; [ "$p" = - ] || echo 0 >"$p" || exit 126; exec "$0" --pdeathsig KILL -- "$@"'
+    'p=$1; w=$2; shift 2; [ "$p" = - ] || echo 0 >"$p" || exit 126; '
+    'if [ "$w" = - ]; then unset PWD; else PWD=${w#=}; export PWD; fi; '
+    'exec "$0" --pdeathsig KILL -- "$@"'
 )
 
 
-def shim_command(procs: str | None, argv: list[str]) -> list[str]:
+def shim_command(procs: str | None, argv: list[str], pwd: str | None = None) -> list[str]:
     """``argv`` run through a shim, into ``procs``' cgroup, dying with this process's
     forking thread (natively where ``setpriv`` is, else through this file, which runs
-    by path: ``-I -S`` leave no package to import)."""
+    by path: ``-I -S`` leave no package to import). ``pwd``: the ``PWD`` of the
+    environment the program is given."""
     if _SETPRIV is not None:
-        return ["/bin/sh", "-c", _NATIVE, _SETPRIV, procs or "-", *argv]
+        given = "-" if pwd is None else f"={pwd}"
+        return ["/bin/sh", "-c", _NATIVE, _SETPRIV, procs or "-", given, *argv]
     shim = os.path.abspath(__file__)
     return [sys.executable, "-I", "-S", shim, procs or "-", str(os.getpid()), "--", *argv]
 
