@@ -56,7 +56,7 @@ class ProcessWatch:
         handle = self._handles.get(pid)
         if handle is None:
             try:
-                handle = open_process(pid)
+                handle = self.open(pid)
             except (ProcessLookupError, OSError):
                 return None
             self.watch(handle)

@@ -27,18 +27,15 @@ class Timeline:
 
     def __init__(self, settings: TimelineSettings) -> None:
         self.ended: deque[Ended] = deque(maxlen=settings.size)
-        # Bound once: the timer core calls it as an observer of every ended timer.
-        self.record = self.ended.append
 
     def reconfigure(self, settings: TimelineSettings) -> None:
         """Keep the last ``size`` timers that ended from now on (the newest of those kept)."""
         if settings.size != self.ended.maxlen:
             self.ended = deque(self.ended, maxlen=settings.size)
-            self.record = self.ended.append
 
     def timer_ended(self, ended: Ended) -> None:
-        """The timer core's observer (``record`` itself changes with a resize)."""
-        self.record(ended)
+        """The timer core's observer of every timer that ended."""
+        self.ended.append(ended)
 
     def spans(self, live: Iterable[tuple[Timer, int]], uid: int | None) -> list[p.TimerSpan]:
         """Ended timers, then ``live`` ones (with their process's owner), of ``uid``'s processes.

@@ -43,7 +43,7 @@ from watchdogd.core.admission import admit
 from watchdogd.core.config import PolicyConfig, TimerSettings
 from watchdogd.core.policy import Policy, Requester, Target, check, check_pid, valid_signals
 from watchdogd.core.ports import EventSink, Supervision
-from watchdogd.core.timers import Ended, Timer, TimerTable
+from watchdogd.core.timers import Ended, Outcome, Timer, TimerTable
 from watchdogd.linux.priority import set_loop_urgent
 from watchdogd.linux.procs import ProcessHandle, ancestors
 from watchdogd.linux.snapshot import SnapshotTimer
@@ -350,7 +350,7 @@ class TimerCore:
         self,
         timers: tuple[Timer, ...] | list[Timer],
         now: float,
-        outcome: Literal["released", "expired", "dropped"],
+        outcome: Outcome,
         uid: int,
     ) -> None:
         observers = self._observers
