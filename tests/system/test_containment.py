@@ -216,3 +216,19 @@ def test_the_shim_asks_for_the_parent_death_signal_then_runs_the_program(
         timeout=30,
     )
     assert (out.returncode, out.stdout.strip()) == (0, str(signal.SIGKILL)), out.stderr
+
+
+def test_the_session_sweep_takes_no_child_the_daemon_started_for_itself() -> None:
+    # A torch helper (c10d, the agent store) runs in a session of its own, as a
+    # worker's re-parented orphan would: only the registration tells them apart.
+    from watchdogd.linux import sessions
+
+    helper = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert helper.pid in sessions.adopted(set())  # what an orphan looks like
+        sessions.started_own(helper.pid)
+        assert helper.pid not in sessions.adopted(set())
+    finally:
+        sessions.ended_own(helper.pid)
+        helper.kill()
+        helper.wait()

@@ -31,6 +31,7 @@ import anyio.abc
 import msgspec
 
 from watchdogd.groups.torch_wire import MAX_FRAME, Failed, Ready, Reply, Request
+from watchdogd.linux import sessions
 from watchdogd_client.framing import FrameSplitter, frame
 
 __all__ = ["HelperError", "HelperFailedError", "TorchHelper"]
@@ -88,7 +89,7 @@ class TorchHelper:
         return self.ready
 
     def _spawn(self, stdio: int) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
+        process = subprocess.Popen(
             self.command,
             stdin=stdio,
             stdout=stdio,
@@ -97,6 +98,9 @@ class TorchHelper:
             start_new_session=True,
             pass_fds=self.pass_fds,
         )
+        # The daemon's own child, not a worker's orphan (session containment's sweep).
+        sessions.started_own(process.pid)
+        return process
 
     async def call(self, request: Request, expect: type[R]) -> R:
         """Send ``request``, return its reply; HelperFailedError when torch raised."""
@@ -157,6 +161,7 @@ class TorchHelper:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
                 await self._wait()
+            sessions.ended_own(process.pid)
             if self._stream is not None:
                 await self._stream.aclose()
 

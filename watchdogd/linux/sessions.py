@@ -84,16 +84,30 @@ def reap(pids: list[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
+_own_children: set[int] = set()
+"""Children this process started for itself in sessions of their own (a torch
+helper): what ``adopted`` must never take for a worker's orphan."""
+
+
+def started_own(pid: int) -> None:
+    """``pid`` is a child this process started for itself, not for a job."""
+    _own_children.add(pid)
+
+
+def ended_own(pid: int) -> None:
+    _own_children.discard(pid)
+
+
 def adopted(known: set[int]) -> dict[int, int]:
-    """This process's children that it did not start (``known``) and that are not of its
-    session (a forkserver, a helper), and what they started: the re-parented
+    """This process's children that it did not start (``known``, or for itself) and that
+    are not of its session (a forkserver), and what they started: the re-parented
     descendants of children that exited."""
     table = _table()
     me, session = os.getpid(), os.getsid(0)
     orphans = {
         pid
         for pid, (ppid, sid, _) in table.items()
-        if ppid == me and pid not in known and sid != session
+        if ppid == me and pid not in known and pid not in _own_children and sid != session
     }
     return {pid: table[pid][2] for pid in _tree(table, orphans)}
 
