@@ -197,8 +197,6 @@ class EtcdRendezvous:
         self.run_id = run_id
         self.min_nodes = min_nodes
         self.max_nodes = max_nodes
-        self.node_name = node_name
-        self.advertise_addr = advertise_addr
         self.lease_ttl = lease_ttl
         self.last_call = last_call
         self.join_timeout = join_timeout
