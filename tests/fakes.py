@@ -127,6 +127,16 @@ class FakeQueries:
         return []
 
 
+class FakeSteps:
+    """``StepReports``: the ``(pid, step)`` of each step reported."""
+
+    def __init__(self) -> None:
+        self.reported: list[tuple[int, int]] = []
+
+    def step_reported(self, pid: int, step: int) -> None:
+        self.reported.append((pid, step))
+
+
 class FakeScopes:
     """``Scopes``: no scopes; the uid each query was made for, the device times reported."""
 
@@ -204,6 +214,7 @@ class FakePorts:
     scopes: FakeScopes = field(default_factory=FakeScopes)
     dumps: FakeDumps = field(default_factory=FakeDumps)
     groups: FakeGroups = field(default_factory=FakeGroups)
+    steps: FakeSteps = field(default_factory=FakeSteps)
     events: EventLog = field(default_factory=EventLog)
     stats: Stats = field(default_factory=Stats)
     status_calls: list[tuple[int, bool]] = field(default_factory=list)
@@ -238,6 +249,7 @@ class FakePorts:
             events=self.events,
             stacks=StackStore(self.dumps_dir),
             groups=self.groups,
+            steps=self.steps,
             stats=self.stats,
             status=self.status,
         )

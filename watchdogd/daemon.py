@@ -157,6 +157,7 @@ class Daemon:
         # statistics never come before its span.
         self.timers.on_ended(self.timeline.timer_ended)
         self.timers.on_ended(self.scopes.timer_ended)
+        self.timers.on_ended(workers.timer_ended)  # a release may be a group's step
         self.watch.on_exit(self.reaper.forget)
         self.watch.on_exit(self.scopes.process_exited)
         self.queries = TimerQueries(
@@ -201,6 +202,7 @@ class Daemon:
                 self.events,
                 self.stacks,
                 self.supervisor,
+                workers,
                 self.stats,
                 self.status,
             ),

@@ -21,12 +21,19 @@ run as the caller, with the caller's environment plus torchrun's variables.
 Past ``max_restarts`` the call raises torch's own ``ChildFailedError`` when
 torch is importable (``except ChildFailedError`` and ``@record`` see what
 they expect), else :class:`ChildFailedError` of the same shape from here.
+A run that ended because its restarts made no progress
+(``max_no_progress_restarts``, a run option: ``run_launch(...,
+max_no_progress_restarts=K)``) raises ``NoProgressError``, a subclass of
+that ``ChildFailedError``: code that catches torch's error keeps working,
+and code that must not requeue catches this one first. Its ``reason`` names
+each rank's failure and how often; ``exit_code`` is the command line's (93).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import os
 import pickle
@@ -51,6 +58,7 @@ import msgspec
 
 from watchdogd.core.config import Config, ConfigError
 from watchdogd.core.ports import GroupError
+from watchdogd.core.progress import EXIT_NO_PROGRESS
 from watchdogd.core.run_options import (
     DEFAULT_RDZV_TIMEOUT,
     DEFAULT_SIGNALS,
@@ -72,6 +80,7 @@ __all__ = [
     "DefaultLogsSpecs",
     "LaunchConfig",
     "LaunchError",
+    "NoProgressError",  # noqa: F822 - made on first use (module __getattr__)
     "ProcessFailure",
     "Result",
     "Std",
@@ -242,6 +251,36 @@ def child_failed(name: str, failures: list[Failure]) -> Exception:
     """torch's ``ChildFailedError`` for these failures (this module's without torch)."""
     _, error_type = _torch_errors()
     return error_type(name=name, failures=process_failures(failures))  # type: ignore[no-any-return]
+
+
+@functools.cache
+def no_progress_error_type() -> type[Exception]:
+    """``NoProgressError``, made once: a subclass of the ``ChildFailedError`` this module
+    raises (torch's when importable), so that ``except ChildFailedError`` still catches it."""
+    _, base = _torch_errors()
+
+    class NoProgressError(base):  # type: ignore[misc,valid-type]
+        """The run ended because its restarts made no progress: do not requeue it."""
+
+        exit_code = EXIT_NO_PROGRESS
+
+        def __init__(self, name: str, failures: dict[int, Any], reason: str) -> None:
+            self.reason = reason
+            super().__init__(name=name, failures=failures)
+
+        def __str__(self) -> str:
+            return f"{self.reason}\n{super().__str__()}"
+
+    NoProgressError.__module__ = __name__
+    return NoProgressError
+
+
+def __getattr__(name: str) -> Any:
+    # Made on first use: whether it subclasses torch's error is known only once torch
+    # is looked for, which a plain import of this module must not pay for.
+    if name == "NoProgressError":
+        return no_progress_error_type()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- torch's log settings ---------------------------------------------------------------
@@ -425,6 +464,8 @@ class Result:
     failures: list[Failure]
     reason: str | None
     """Why the group could not run, when no worker failed."""
+    no_progress: str | None = None
+    """Why the run must not be requeued: its restarts made no progress (None: not so)."""
 
 
 def launch_agent(
@@ -432,13 +473,17 @@ def launch_agent(
 ) -> dict[int, Any]:
     """Run the job on this node; ``{global_rank: return_value}`` for its ranks.
 
-    Raises ``ChildFailedError`` past ``max_restarts``, :class:`LaunchError`
+    Raises ``ChildFailedError`` past ``max_restarts`` (``NoProgressError`` when its
+    restarts made no progress), :class:`LaunchError`
     when the group cannot run, ValueError on a config or entrypoint it
     cannot honour (before anything starts).
     """
     result = run_launch(config, entrypoint, args)
     if result.state is GroupState.SUCCEEDED:
         return result.values
+    if result.no_progress is not None and result.failures:
+        failures = process_failures(result.failures)
+        raise no_progress_error_type()(result.name, failures, result.no_progress)
     if result.failures:
         raise child_failed(result.name, result.failures)
     raise LaunchError(result.reason or f"group {result.state.value}")
@@ -514,7 +559,11 @@ def _launch(
     if not succeeded:
         failure = runner.last_failure
         reason = failure.reason if failure is not None else None
-        return Result(name, outcome.state, {}, list(runner.attempt_failures.values()), reason)
+        failures = list(runner.attempt_failures.values())
+        if not runner.progress.exhausted:
+            return Result(name, outcome.state, {}, failures, reason)
+        no_progress = "\n  ".join(runner.no_progress_report())
+        return Result(name, outcome.state, {}, failures, reason, no_progress)
     values: dict[int, Any] = {}
     for worker in runner.workers.values():
         if starter is None:

@@ -6,6 +6,7 @@
 
     with wd.expires(after=60):  # killed by watchdogd if the block runs past 60 s
         train_step()
+    wd.progress(step)  # the step it completed: restarts that get no further are counted
 
 Transports: :class:`SocketTimerClient` (the daemon's Unix socket, identity
 from the kernel) and :class:`FileTimerClient` (torch's FIFO wire format).
@@ -34,7 +35,7 @@ from ._learn import LEARN, Learn
 from ._local import LocalTimerClient, LocalTimerServer, MultiprocessingRequestQueue
 from ._paths import default_fifo_path, default_runtime_dir, default_socket_path
 from ._socket import SocketTimerClient
-from ._timer import configure, expires, get_client
+from ._timer import configure, expires, get_client, progress
 from ._timer_client import TimerClient
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "get_client",
     "list_timers",
     "log_debug_info_for_expired_timers",
+    "progress",
     "status",
 ]
 

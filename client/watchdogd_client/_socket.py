@@ -194,6 +194,10 @@ class SocketTimerClient(TimerClient):
         """Report the device time of this process's last completed ``scope_id`` (pipelined)."""
         self._send(p.DeviceTime(scope_id, seconds))
 
+    def progress(self, step: int) -> None:
+        """Report that this process completed training step ``step`` (pipelined)."""
+        self._send(p.Progress(step))
+
     def list_groups(self) -> list[GroupInfo]:
         return self.request(p.ListGroups(), p.GroupList).groups
 

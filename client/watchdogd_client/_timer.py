@@ -32,7 +32,7 @@ from ._learn import Learn
 from ._socket import SocketTimerClient
 from ._timer_client import TimerClient, acquire_learned
 
-__all__ = ["configure", "expires", "get_client"]
+__all__ = ["configure", "expires", "get_client", "progress"]
 
 
 _configured: TimerClient | None = None
@@ -64,6 +64,27 @@ def _client_from_environment() -> TimerClient:
         "(or FileTimerClient(path)), pass client=..., or set WATCHDOGD_SOCKET "
         "(or TORCHELASTIC_TIMER_FILE) in the environment"
     )
+
+
+def progress(step: int, client: TimerClient | None = None) -> None:
+    """Tell the daemon that this worker completed training step ``step``.
+
+    ``step`` is absolute: after a resume from a checkpoint, count on from the
+    checkpoint's step. With reports, a group knows an attempt that only
+    recomputes the steps since its checkpoint from one that gets further
+    (``--max-no-progress-restarts``). One non-blocking send, no reply: call
+    it every step. Only the socket carries it: with a FIFO client, or with no
+    client configured (a script run by torchrun, or by hand), it does nothing.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if client is None:
+        try:
+            client = get_client()
+        except NotConfiguredError:
+            return
+    if isinstance(client, SocketTimerClient):
+        client.progress(step)
 
 
 # (file, line) -> its scope name: one string per line, hashed once, not one per block.

@@ -216,6 +216,12 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     entrypoint: Annotated[list[str], msgspec.Meta(min_length=1)]
     nproc: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     max_restarts: NonNegative = 0
+    max_no_progress_restarts: NonNegative = 3
+    """Restarts in a row without progress before the group fails for good, its run not to be
+    requeued (0: off). Progress: a step past the highest any earlier attempt reached."""
+    progress_scope: str | None = None
+    """The scope whose release is a step (None: any scope's); ``wd.progress(step)``
+    reports, once a worker sends one, take the place of releases."""
     role: str = "default"
     env: dict[str, str] = {}
     cwd: str | None = None

@@ -27,7 +27,7 @@ the message tells a person.
 from __future__ import annotations
 
 import signal as _signal
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -65,6 +65,7 @@ __all__ = [
     "ListGroups",
     "ListTimers",
     "Ok",
+    "Progress",
     "Release",
     "ReleaseAll",
     "Reply",
@@ -262,6 +263,18 @@ class DeviceTime(msgspec.Struct, tag="device_time", tag_field="op"):
     seconds: float
 
 
+class Progress(msgspec.Struct, tag="progress", tag_field="op"):
+    """The caller, a worker of a group, completed training step ``step`` (absolute: a
+    resumed run counts on from its checkpoint's step).
+
+    Its group counts an attempt as progress only if some worker got past the
+    highest step the earlier attempts reported; from a process that is no
+    worker it is ignored. Answered only on failure.
+    """
+
+    step: Annotated[int, msgspec.Meta(ge=0)]
+
+
 class ListGroups(msgspec.Struct, tag="list_groups", tag_field="op"):
     """Answered with :class:`GroupList`."""
 
@@ -298,6 +311,7 @@ Request = (
     | GetScopes
     | GetStragglers
     | DeviceTime
+    | Progress
     | Acquire
     | Release
     | ReleaseAll

@@ -231,6 +231,13 @@ def test_device_time_is_reported_for_the_peer(fakes: FakePorts) -> None:
     assert fakes.audit.refusals == [("socket", PID, "nope", fakes.scopes.refusal, UID)]
 
 
+def test_a_step_is_reported_for_the_peer_and_a_negative_one_is_refused(fakes: FakePorts) -> None:
+    session = greeted(fakes)
+    assert send(session, p.Progress(120), p.Progress(0)) == []
+    assert shape(send(session, {"op": "progress", "step": -1})) == ["bad_request"]
+    assert fakes.steps.reported == [(PID, 120), (PID, 0)]
+
+
 # -- bad input -------------------------------------------------------------------------
 
 
@@ -409,6 +416,7 @@ def test_group_control_by_an_admin(fakes: FakePorts) -> None:
         ("queries", "timer_list", p.ListTimers()),
         ("scopes", "straggler_list", p.GetStragglers()),
         ("scopes", "device_time", p.DeviceTime("step", 1.0)),
+        ("steps", "step_reported", p.Progress(1)),
         ("groups", "infos", p.ListGroups()),
         ("status", None, p.GetStatus()),
     ],

@@ -275,6 +275,21 @@ def test_the_gpu_release_wait_from_either_front_or_the_groups_default(tmp_path: 
     assert caught.value.field == "gpu_release_timeout"
 
 
+def test_the_no_progress_limit_and_step_scope_from_either_front(tmp_path: Path) -> None:
+    spec = group_spec(cli(), host(tmp_path))
+    assert (spec.max_no_progress_restarts, spec.progress_scope) == (3, None)
+    flagged = cli("--max-no-progress-restarts", "0", "--progress-scope", "step")
+    spec = group_spec(flagged, host(tmp_path))
+    assert (spec.max_no_progress_restarts, spec.progress_scope) == (0, "step")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+    options = launch_options(config, ["prog"], max_no_progress_restarts=1, progress_scope="s")
+    spec = group_spec(options, host(tmp_path))
+    assert (spec.max_no_progress_restarts, spec.progress_scope) == (1, "s")
+    with pytest.raises(OptionsError) as caught:
+        cli("--max-no-progress-restarts", "-1")
+    assert caught.value.field == "max_no_progress_restarts"
+
+
 # -- the daemon's config: every change checked ------------------------------------------
 
 

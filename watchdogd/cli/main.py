@@ -9,6 +9,9 @@ Layers, as in uvicorn: this module parses flags into one :class:`Config`
 2     bad usage or an invalid config (the message names the key)
 3     an endpoint cannot be created or another daemon owns it
 ====  ======================================================
+
+``watchdogd run`` has its own (:mod:`watchdogd.cli.run`): 0, 1 (failed, a
+requeue may help), 2 (usage), 93 (do not requeue: no progress).
 """
 
 from __future__ import annotations

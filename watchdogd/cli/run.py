@@ -3,8 +3,16 @@
 Replace the word ``torchrun`` in a launch script with ``watchdogd run``: the
 flags keep their names and meanings (dashes or underscores, ``PET_*``
 environment defaults), the workers get torchrun's environment, and the exit
-status follows the group's: 0 when every worker succeeded, 1 with a summary
-of the first failure otherwise, 2 on bad usage.
+status follows the group's:
+
+====  ==============================================================
+0     every worker succeeded
+1     the group failed (a summary of the first failure): a requeue may help
+2     bad usage
+93    do not requeue: ``--max-no-progress-restarts`` restarts in a row
+      made no progress (the summary names each rank's failure and how
+      often); NVRx's code for the same, so one scheduler rule serves both
+====  ==============================================================
 
 Signals are torchrun's: each one of ``--signals-to-handle`` (SIGTERM, SIGINT,
 SIGHUP, SIGQUIT unless told otherwise) is passed to every worker, the group
@@ -28,6 +36,7 @@ from watchdogd.cli.timeline import write_trace
 from watchdogd.core.config import Config, ConfigError
 from watchdogd.core.faults import parse_fault
 from watchdogd.core.numa import AFFINITY_MODES
+from watchdogd.core.progress import EXIT_NO_PROGRESS
 from watchdogd.core.run_options import (
     OptionsError,
     RunOptions,
@@ -91,6 +100,13 @@ def add_run_arguments(
     flag("--master-port", type=int, help="rank 0's port (default: free)")
     flag("--max-restarts", type=int,
           help=f"restarts before failing (default {_DEFAULT.max_restarts})")  # fmt: skip
+    flag("--max-no-progress-restarts", type=int, metavar="K",
+          help="end the run with exit status 93 (do not requeue) once K restarts in a row "
+          "made no progress: no step past the highest reached (0: off; default "
+          f"{_DEFAULT.max_no_progress_restarts})")  # fmt: skip
+    flag("--progress-scope", metavar="SCOPE",
+          help="the scope whose release is a step (default: any scope's; "
+          "wd.progress(step) reports take its place)")  # fmt: skip
     flag("--rdzv-backend",
           help=f"static, c10d (torch's) or etcd (default {_DEFAULT.rdzv_backend})")  # fmt: skip
     flag("--rdzv-endpoint",
@@ -293,6 +309,8 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
         f"watchdogd run: group {info.name} {state.value} "
         f"after {info.attempt + 1} attempt(s), {runner.machine.restarts_used} restart(s)"
     ]
+    if runner.progress.exhausted:
+        lines += [f"  {line}" for line in runner.no_progress_report()]
     failure = info.last_failure
     if failure is not None and failure.rank < 0:  # the group itself: no worker to name
         lines.append(f"  {failure.reason}")
@@ -341,7 +359,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if outcome.state is GroupState.SUCCEEDED:
         return 0
     print(summarize(outcome.runner, outcome.state), file=sys.stderr)
-    return EXIT_FAILED
+    return EXIT_NO_PROGRESS if outcome.runner.progress.exhausted else EXIT_FAILED
 
 
 def _write_trace(daemon: Daemon, path: str) -> None:

@@ -9,6 +9,10 @@ Rules
   later (HEALTHY -> STOPPING). Once all have exited: STOPPING -> STOPPED, then
   STOPPED -> HEALTHY with a new attempt while restarts remain, else
   STOPPED -> FAILED.
+- Progress (:class:`~watchdogd.core.progress.StepProgress`): a failed attempt
+  that made none counts; past ``progress.limit`` such restarts in a row,
+  STOPPED -> FAILED instead of a restart (``progress.exhausted``: do not
+  requeue). Each attempt's start and end is told to it.
 - A worker stuck in D state, or a fatal fault of a GPU it uses:
   HEALTHY -> UNHEALTHY at once, every worker gets SIGKILL, and there is no
   restart (the node itself is suspect).
@@ -39,6 +43,7 @@ from typing import Literal
 
 import msgspec
 
+from watchdogd.core.progress import StepProgress
 from watchdogd_client.groups import GroupState
 
 __all__ = [
@@ -122,8 +127,16 @@ Input = WorkerExited | WorkerStuck | Stop | Signalled | Restart | Unhealthy | Fa
 
 
 class GroupMachine:
-    def __init__(self, nproc: int, max_restarts: int, shutdown_timeout: float) -> None:
+    def __init__(
+        self,
+        nproc: int,
+        max_restarts: int,
+        shutdown_timeout: float,
+        progress: StepProgress | None = None,
+    ) -> None:
+        """``progress``: the steps its workers complete (None: not watched)."""
         self.nproc = nproc
+        self.progress = StepProgress() if progress is None else progress
         self.max_restarts = max_restarts
         self.shutdown_timeout = shutdown_timeout
         self.state = S.INIT
@@ -248,6 +261,7 @@ class GroupMachine:
         return Transition(old, new, reason, self.attempt)
 
     def _spawn(self, reason: str) -> list[Action]:
+        self.progress.begin(self.attempt)
         self.alive = set(range(self.nproc))
         self.exitcodes = {}
         return [
@@ -269,7 +283,18 @@ class GroupMachine:
     def _stopped(self) -> list[Action]:
         self._kill_at = None
         actions: list[Action] = [self._move(S.STOPPED, "every worker exited")]
-        match self._after_stop:
+        after: AfterStop | Literal["no_progress"] = self._after_stop
+        if after in ("restart", "fail", "restart_free"):
+            failed = after != "restart_free"
+            if self.progress.attempt_ended(failed=failed):
+                after = "no_progress"
+        match after:
+            case "no_progress":  # STOPPED -> FAILED, do not requeue
+                reason = (
+                    f"no progress in {self.progress.streak} failed attempts in a row "
+                    f"({self.progress.describe()})"
+                )
+                actions += [self._move(S.FAILED, reason), Finished(S.FAILED)]
             case "restart":
                 self.restarts_used += 1
                 self.attempt += 1

@@ -25,6 +25,7 @@ __all__ = [
     "GroupRuns",
     "Hardware",
     "Metadata",
+    "StepReports",
     "StragglerShare",
     "SupervisedWorker",
     "Supervision",
@@ -80,6 +81,14 @@ class Supervision(Protocol):
         Empty unless ``pid`` is a worker whose group's environment turns them on:
         a hang in a collective is the whole group's, so every rank is asked.
         """
+        ...
+
+
+class StepReports(Protocol):
+    """Where a worker's reported steps (``wd.progress``) reach its group."""
+
+    def step_reported(self, pid: int, step: int) -> None:
+        """``pid`` completed step ``step``; ignored unless ``pid`` is a worker."""
         ...
 
 

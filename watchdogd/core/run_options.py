@@ -103,6 +103,10 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     local_addr: str | None = None
     monitor_interval: Annotated[float, msgspec.Meta(gt=0)] = 0.1
     max_restarts: NonNegative = 0
+    max_no_progress_restarts: NonNegative = 3
+    """Restarts in a row without progress before the run ends "do not requeue" (0: off)."""
+    progress_scope: str | None = None
+    """The scope whose release is a step (None: any scope's)."""
     role: str = "default"
     start_method: str = "spawn"
     log_dir: str | None = None
@@ -355,6 +359,8 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
         "entrypoint": _entrypoint(options, host),
         "nproc": nproc,
         "max_restarts": options.max_restarts,
+        "max_no_progress_restarts": options.max_no_progress_restarts,
+        "progress_scope": options.progress_scope,
         "role": options.role,
         "env": env,
         "log_dir": log_dir,

@@ -32,11 +32,15 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["Ended", "Outcome", "Source", "Timer", "TimerTable"]
+__all__ = ["IDLE_SCOPE", "Ended", "Outcome", "Source", "Timer", "TimerTable"]
 
 Source = Literal["fifo", "socket"]
 Outcome = Literal["released", "expired", "dropped"]
 """How a timer ended: its owner released it, it expired, or its process exited."""
+
+IDLE_SCOPE = "(idle)"
+"""The timer a worker with an idle timeout holds while it holds no other (the daemon's own,
+released when the worker arms another: no scope of the trainer's)."""
 
 # Below this many entries a rebuild costs more than the dead entries do.
 _COMPACT_MIN = 64

@@ -30,6 +30,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections import Counter, deque
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from watchdogd.core.group_machine import (
     WorkerStuck,
 )
 from watchdogd.core.ports import EventSink, GroupError, Hardware, StragglerShare
+from watchdogd.core.progress import EXIT_NO_PROGRESS, StepProgress
 from watchdogd.core.rdzv_state import Change, RendezvousError
 from watchdogd.core.workerenv import Placement, gpu_assignment
 from watchdogd.groups.attempt import AttemptLauncher
@@ -110,14 +112,19 @@ class GroupRunner:
         self.events = events
         self.index = workers
         self.rendezvous = open_rendezvous(spec, self._rdzv_event)
+        self.progress = StepProgress(spec.max_no_progress_restarts, spec.progress_scope)
         self.machine = GroupMachine(
-            spec.nproc, self.rendezvous.local_restarts, spec.shutdown_timeout
+            spec.nproc, self.rendezvous.local_restarts, spec.shutdown_timeout, self.progress
         )
+        workers.track(spec.name, self.progress)
         self.workers: dict[int, Worker] = {}
         """The latest attempt's, in start order."""
         self.last_failure: Failure | None = None
         self.attempt_failures: dict[int, Failure] = {}
         """The workers of the latest attempt that failed on their own, by local rank."""
+        self.first_failures: deque[Failure] = deque(maxlen=spec.max_no_progress_restarts + 1)
+        """The first failure of each of the latest attempts that had one (the summary of a
+        run without progress counts them)."""
         self.started_at = time.time()
         self.placement: Placement | None = None
         try:
@@ -270,6 +277,7 @@ class GroupRunner:
                 for feature in reversed(self.features):
                     await feature.aclose()
             self._drop_run_dir()
+            self.index.untrack(self.spec.name)
             self._inbox_send.close()
             self._inbox.close()
             self.finished.set()
@@ -428,6 +436,7 @@ class GroupRunner:
         )
 
     def _record_failure(self, worker: Worker, exitcode: int, reason: str) -> None:
+        first = not self.attempt_failures
         self.last_failure = self.attempt_failures[worker.local_rank] = Failure(
             local_rank=worker.local_rank,
             rank=worker.rank,
@@ -438,6 +447,25 @@ class GroupRunner:
             error_message=read_error_file(worker.error_file),
             timestamp=time.time(),
         )
+        if first:
+            self.first_failures.append(self.last_failure)
+
+    def no_progress_report(self) -> list[str]:
+        """Why a run that ended for lack of progress must not be requeued: what counted as
+        a step, then each rank's failure on this node and in how many of the attempts
+        without progress, the most frequent first."""
+        streak = self.progress.streak
+        lines = [
+            f"do not requeue (exit {EXIT_NO_PROGRESS}): {streak} failed attempts in a row "
+            f"made no progress ({self.progress.describe()})"
+        ]
+        recent = list(self.first_failures)[-streak:] if streak else []
+        causes = Counter((f.rank, f.error_message or f.reason) for f in recent)
+        node = self.launcher.hostname
+        return lines + [
+            f"rank {rank} on {node}: {what} ({count} of {streak} attempts)"
+            for (rank, what), count in causes.most_common()
+        ]
 
     async def _kill_everything(self) -> None:
         """On the way out: no worker survives, no output is lost; the last started goes first."""

@@ -4,7 +4,8 @@ exit reads.
 A :class:`Worker` is one local rank of one attempt. Its process is a
 :class:`~watchdogd.groups.child.ChildProcess` (the one owner of its pidfd);
 the :class:`WorkerIndex` is what the timer service sees of every group's
-workers (its ``Supervision`` port).
+workers (its ``Supervision`` port), and where their steps reach their
+group's progress (released timers, ``wd.progress`` reports).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import msgspec
 
 from watchdogd.core.flight_recorder import Recorder
 from watchdogd.core.ports import SupervisedWorker
+from watchdogd.core.progress import StepProgress
+from watchdogd.core.timers import IDLE_SCOPE, Ended
 from watchdogd.groups.child import Cell, ChildProcess, WorkerProcess
 
 __all__ = [
@@ -84,6 +87,7 @@ class WorkerIndex:
         self._expired_scopes: dict[int, str] = {}
         # group -> pid -> the flight recorder of that rank, for workers that run one.
         self._recorders: dict[str, dict[int, Recorder]] = {}
+        self._progress: dict[str, StepProgress] = {}
 
     def add(self, pid: int, worker: SupervisedWorker, recorder: Recorder | None = None) -> None:
         self._workers[pid] = worker
@@ -95,6 +99,29 @@ class WorkerIndex:
         recorders = None if worker is None else self._recorders.get(worker.group)
         if recorders is not None:
             recorders.pop(pid, None)
+
+    def track(self, group: str, progress: StepProgress) -> None:
+        """Steps of ``group``'s workers go to ``progress`` (until ``untrack``)."""
+        self._progress[group] = progress
+
+    def untrack(self, group: str) -> None:
+        self._progress.pop(group, None)
+
+    def timer_ended(self, ended: Ended) -> None:
+        """A timer observer: a worker's release may complete its group's step."""
+        timer, _, outcome, _ = ended
+        if outcome != "released" or timer.scope_id == IDLE_SCOPE:
+            return
+        if (worker := self._workers.get(timer.pid)) is None:
+            return
+        if (progress := self._progress.get(worker.group)) is not None:
+            progress.released(worker.attempt, timer.scope_id)
+
+    def step_reported(self, pid: int, step: int) -> None:
+        """Worker ``pid`` completed step ``step`` (``wd.progress``); others are ignored."""
+        worker = self._workers.get(pid)
+        if worker is not None and (progress := self._progress.get(worker.group)) is not None:
+            progress.reported(worker.attempt, step)
 
     def take_expired_scope(self, pid: int) -> str | None:
         return self._expired_scopes.pop(pid, None)

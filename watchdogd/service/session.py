@@ -46,7 +46,7 @@ from typing import NamedTuple, Protocol
 import msgspec
 
 from watchdogd.core.policy import Requester
-from watchdogd.core.ports import GroupControl, GroupError
+from watchdogd.core.ports import GroupControl, GroupError, StepReports
 from watchdogd.linux.procs import ProcessHandle
 from watchdogd.linux.stacks import StackStore
 from watchdogd.service.eventlog import EventLog
@@ -124,6 +124,7 @@ class SessionPorts(NamedTuple):
     events: EventLog
     stacks: StackStore
     groups: GroupControl
+    steps: StepReports
     stats: Stats
     status: Callable[[int, bool], p.StatusInfo]
     """``status(seq, admin)``: what the peer may see of the daemon's status."""
@@ -324,6 +325,9 @@ class Session:
                 return ports.scopes.straggler_list(seq, None if peer.admin else peer.uid, job)
             case p.DeviceTime(scope_id, seconds):
                 error = ports.scopes.device_time(peer.pid, scope_id, seconds)
+            case p.Progress(step):
+                ports.steps.step_reported(peer.pid, step)
+                return None
             case p.ListGroups():
                 return p.GroupList(seq, ports.groups.infos())
             case p.SubmitGroup() | p.StopGroup() | p.RestartGroup() | p.InjectFault():

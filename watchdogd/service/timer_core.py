@@ -43,7 +43,7 @@ from watchdogd.core.admission import admit
 from watchdogd.core.config import PolicyConfig, TimerSettings
 from watchdogd.core.policy import Policy, Requester, Target, check, check_pid, valid_signals
 from watchdogd.core.ports import EventSink, Supervision
-from watchdogd.core.timers import Ended, Outcome, Timer, TimerTable
+from watchdogd.core.timers import IDLE_SCOPE, Ended, Outcome, Timer, TimerTable
 from watchdogd.linux.priority import set_loop_urgent
 from watchdogd.linux.procs import ProcessHandle, ancestors
 from watchdogd.linux.snapshot import SnapshotTimer
@@ -63,9 +63,6 @@ __all__ = [
     "TimerOperations",
     "build_policy",
 ]
-
-IDLE_SCOPE = "(idle)"
-"""The timer a worker with an idle timeout holds while it holds no other."""
 
 # libuv's timer resolution (uvloop): wake this much early, then watch the clock.
 _TIMER_SLACK = 0.0015
