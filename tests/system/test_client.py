@@ -213,16 +213,17 @@ def _open_memfds() -> int:
     )
 
 
-def test_a_page_from_an_older_daemon_is_closed_and_frames_are_used(short_dir: Path) -> None:
-    # A daemon from before "frames only" answered hello with a shared-memory page
-    # (``slot_page``) after the faulthandler file. The client keeps no such page.
-    path = str(short_dir / "old.sock")
+@contextmanager
+def recording_daemon(path: str, **welcome: object) -> Iterator[list[p.Request]]:
+    """A daemon at ``path`` that records every request of one connection and answers only
+    its hello, with ``welcome``'s fields added (and, with ``slot_page``, a memfd beside the
+    faulthandler file, as the older daemon it stands for sent)."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(1)
     received: list[p.Request] = []
 
-    def old_daemon() -> None:
+    def serve() -> None:
         conn, _ = server.accept()
         with conn:
             splitter = FrameSplitter(p.MAX_FRAME_SIZE)
@@ -235,36 +236,66 @@ def test_a_page_from_an_older_daemon_is_closed_and_frames_are_used(short_dir: Pa
                     request = decoder.decode(payload)
                     received.append(request)
                     if isinstance(request, p.Hello):
-                        welcome = {
+                        reply = {
                             "op": "welcome",
                             "seq": 0,
                             "version": 1,
                             "daemon_pid": 1,
                             "peer_pid": os.getpid(),
                             "peer_uid": os.getuid(),
-                            "stack_dumps": True,
-                            "slot_page": 256,
+                            **welcome,
                         }
-                        dump, page = os.open(os.devnull, os.O_WRONLY), os.memfd_create("slots")
-                        socket.send_fds(
-                            conn, [p.frame(msgspec.msgpack.encode(welcome))], [dump, page]
-                        )
-                        os.close(dump)
-                        os.close(page)
+                        fds = [os.open(os.devnull, os.O_WRONLY)] if "stack_dumps" in welcome else []
+                        if "slot_page" in welcome:
+                            fds.append(os.memfd_create("slots"))
+                        socket.send_fds(conn, [p.frame(msgspec.msgpack.encode(reply))], fds)
+                        for fd in fds:
+                            os.close(fd)
 
-    thread = threading.Thread(target=old_daemon, daemon=True)
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    before = _open_memfds()
-    client = wd.SocketTimerClient(path, stack_signal=None)
     try:
-        client.acquire("step", time.time() + 60)
-        client.release("step")
-        assert _open_memfds() == before
+        yield received
     finally:
-        client.close()
         thread.join(5)
         server.close()
+
+
+def test_a_page_from_an_older_daemon_is_closed_and_frames_are_used(short_dir: Path) -> None:
+    # A daemon from before "frames only" answered hello with a shared-memory page
+    # (``slot_page``) after the faulthandler file. The client keeps no such page.
+    with recording_daemon(str(short_dir / "old.sock"), stack_dumps=True, slot_page=256) as received:
+        before = _open_memfds()
+        client = wd.SocketTimerClient(short_dir / "old.sock", stack_signal=None)
+        try:
+            client.acquire("step", time.time() + 60)
+            client.release("step")
+            assert _open_memfds() == before
+        finally:
+            client.close()
     assert [type(r) for r in received] == [p.Hello, p.Acquire, p.Release]
+
+
+def test_progress_is_one_frame_on_the_socket_and_nothing_elsewhere(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with recording_daemon(str(short_dir / "d.sock")) as received:
+        client = wd.SocketTimerClient(short_dir / "d.sock", stack_signal=None)
+        try:
+            wd.progress(7, client=client)
+            wd.progress(8, client=client)
+            with pytest.raises(ValueError, match="step must be >= 0"):
+                wd.progress(-1, client=client)
+        finally:
+            client.close()
+    assert received[1:] == [p.Progress(7), p.Progress(8)]
+    # torch's FIFO has no such message, and a script run without a daemon has nobody to
+    # tell: a trainer's call does nothing, so the script runs under torchrun unchanged.
+    wd.progress(1, client=wd.FileTimerClient(str(short_dir / "no.fifo")))
+    monkeypatch.delenv("WATCHDOGD_SOCKET", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+    monkeypatch.setattr("watchdogd_client._timer._configured", None)
+    wd.progress(1)
 
 
 def test_a_client_dropped_without_close_is_freed_at_once(short_dir: Path) -> None:

@@ -1,0 +1,102 @@
+"""Restarts without progress end a run "do not requeue"; a run that progresses goes on.
+
+Real ``watchdogd run`` processes, real workers (``progress_trainer.py``), each
+attempt resuming from a checkpoint file as a trainer would.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from watchdogd import launcher
+from watchdogd.core.progress import EXIT_NO_PROGRESS
+from watchdogd.launcher import LaunchConfig, elastic_launch
+
+from ..conftest import watchdogd_run as run
+
+TRAINER = str(Path(__file__).with_name("progress_trainer.py"))
+
+
+def train(tmp_path: Path, *flags: str, **knobs: str) -> tuple[int, str]:
+    """``watchdogd run FLAGS progress_trainer.py``, told ``knobs``: its status and stderr."""
+    out = run(*flags, TRAINER, str(tmp_path), env=knobs, timeout=120)
+    return out.returncode, out.stderr
+
+
+def test_no_progress_after_k_restarts_ends_with_the_code_naming_the_rank(tmp_path: Path) -> None:
+    # Attempt 0 completes a step; every later one, rank 1 fails before any.
+    status, stderr = train(
+        tmp_path,
+        "--nproc-per-node", "2", "--max-restarts", "10", "--max-no-progress-restarts", "2",
+        FAIL_AT="2 if n == 0 else 1", FAIL_RANK="1", OTHERS_WAIT="30", FINISH_AT="100",
+    )  # fmt: skip
+    assert status == EXIT_NO_PROGRESS == 93, stderr
+    assert "FAILED after 4 attempt(s), 3 restart(s)" in stderr
+    assert (
+        "do not requeue (exit 93): 3 failed attempts in a row made no progress "
+        "(no timer released)" in stderr
+    )
+    assert f"rank 1 on {socket.gethostname()}: exited with status 1 (3 of 3 attempts)" in stderr
+
+
+@pytest.mark.parametrize("report", ["0", "1"], ids=["releases", "reported"])
+def test_a_run_that_gets_further_each_attempt_is_never_stopped(tmp_path: Path, report: str) -> None:
+    # Checkpoints every 3 steps; attempt n fails at step 5 + 2n, recomputing the steps
+    # since its checkpoint but getting past the last attempt's: 5 failures, K = 1.
+    status, stderr = train(
+        tmp_path,
+        "--max-restarts", "10", "--max-no-progress-restarts", "1",
+        FAIL_AT="5 + 2 * n if n < 5 else 0", CKPT_EVERY="3", FINISH_AT="20", REPORT=report,
+    )  # fmt: skip
+    assert status == 0, stderr
+    assert (tmp_path / "checkpoint").read_text() == "18"
+
+
+def test_recomputed_steps_are_no_progress_once_reported_and_releases_cannot_tell(
+    tmp_path: Path,
+) -> None:
+    # Every attempt resumes from the checkpoint at 3, does step 4 again, and fails at 5.
+    knobs = {"FAIL_AT": "5", "CKPT_EVERY": "3", "FINISH_AT": "20"}
+    flags = ("--max-restarts", "4", "--max-no-progress-restarts", "1")
+    status, stderr = train(tmp_path, *flags, **knobs, REPORT="1")
+    assert status == EXIT_NO_PROGRESS, stderr
+    assert "FAILED after 3 attempt(s), 2 restart(s)" in stderr
+    assert "(no step past 4 reported (wd.progress))" in stderr
+    # The documented limit: with releases alone each attempt completed a step, so it
+    # counts as progress, and the run ends at max_restarts, a requeue allowed.
+    (tmp_path / "checkpoint").unlink()
+    status, stderr = train(tmp_path, *flags, **knobs)
+    assert status == 1, stderr
+    assert "FAILED after 5 attempt(s), 4 restart(s)" in stderr
+
+
+def test_a_program_that_shows_no_step_is_never_judged(tmp_path: Path) -> None:
+    # No release, no report: nothing tells progress, so max_restarts alone decides.
+    worker = tmp_path / "crash.py"
+    worker.write_text("raise SystemExit(1)\n")
+    out = run("--max-restarts", "3", "--max-no-progress-restarts", "1", str(worker))
+    assert out.returncode == 1, out.stderr
+    assert "after 4 attempt(s), 3 restart(s)" in out.stderr
+    assert "do not requeue" not in out.stderr
+
+
+def test_the_launch_api_raises_no_progress_error_a_child_failed_error(tmp_path: Path) -> None:
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="t", max_restarts=4)
+    knobs = {"FAIL_AT": "2 if n == 0 else 1", "FINISH_AT": "100"}
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in knobs.items():
+            env.setenv(name, value)
+        with pytest.raises(ChildFailedError) as caught:  # torch's, as torch users catch it
+            elastic_launch(config, sys.executable)("-u", TRAINER, str(tmp_path))
+    assert isinstance(caught.value, launcher.NoProgressError)
+    assert caught.value.exit_code == 93
+    assert "4 failed attempts in a row made no progress (no timer released)" in str(caught.value)
+    assert f"rank 0 on {socket.gethostname()}: exited with status 1 (4 of 4 attempts)" in (
+        caught.value.reason
+    )
+    assert set(caught.value.failures) == {0}
