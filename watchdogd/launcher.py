@@ -21,19 +21,20 @@ run as the caller, with the caller's environment plus torchrun's variables.
 Past ``max_restarts`` the call raises torch's own ``ChildFailedError`` when
 torch is importable (``except ChildFailedError`` and ``@record`` see what
 they expect), else :class:`ChildFailedError` of the same shape from here.
-A run that ended because its restarts made no progress
-(``max_no_progress_restarts``, a run option: ``run_launch(...,
-max_no_progress_restarts=K)``) raises ``NoProgressError``, a subclass of
-that ``ChildFailedError``: code that catches torch's error keeps working,
-and code that must not requeue catches this one first. Its ``reason`` names
+A run that ended because its restarts made no progress raises
+``NoProgressError`` (:mod:`watchdogd.launch_failures`), a subclass of that
+``ChildFailedError``: code that catches torch's error keeps working, and
+code that must not requeue catches this one first. Its ``reason`` names
 each rank's failure and how often; ``exit_code`` is the command line's (93).
+Run options beyond ``LaunchConfig``'s fields (``max_no_progress_restarts``,
+``progress_scope``, ``prewarm``, …) are keywords of :class:`elastic_launch`
+and :func:`launch_agent`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import logging
 import os
 import pickle
@@ -42,11 +43,9 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from functools import partial
 from multiprocessing import reduction
 from pathlib import Path
@@ -54,11 +53,9 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import msgspec
 
 from watchdogd.core.config import Config, ConfigError
 from watchdogd.core.ports import GroupError
-from watchdogd.core.progress import EXIT_NO_PROGRESS
 from watchdogd.core.run_options import (
     DEFAULT_RDZV_TIMEOUT,
     DEFAULT_SIGNALS,
@@ -73,6 +70,13 @@ from watchdogd.core.run_options import (
 )
 from watchdogd.foreground import run_group, this_host
 from watchdogd.groups.starters import CallableStarter
+from watchdogd.launch_failures import (
+    ChildFailedError,
+    ProcessFailure,
+    child_failed,
+    no_progress_error_type,
+    process_failures,
+)
 from watchdogd_client.groups import Failure, GroupSpec, GroupState
 
 __all__ = [
@@ -143,136 +147,11 @@ class LaunchConfig:
             raise ValueError(f"shutdown_timeout must be non-negative, got {self.shutdown_timeout}")
 
 
-# -- failures, in torch's shape --------------------------------------------------------
-
-
-@dataclass
-class ProcessFailure:
-    """torch's ``ProcessFailure``, for when torch is not installed."""
-
-    local_rank: int
-    pid: int
-    exitcode: int
-    error_file: str
-    error_file_data: dict[str, Any] = field(init=False)
-    message: Any = field(init=False)
-    """As torch's: the error file's ``message`` (a dict holding the traceback), else a line."""
-    timestamp: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.error_file_data = {}
-        self.message = ""
-        self.timestamp = int(time.time())
-        with contextlib.suppress(OSError, msgspec.DecodeError, KeyError, TypeError, ValueError):
-            self.error_file_data = msgspec.json.decode(Path(self.error_file).read_bytes())
-            self.message = self.error_file_data["message"]
-            if isinstance(self.message, dict):
-                self.timestamp = int(self.message["extraInfo"]["timestamp"])
-            else:
-                self.timestamp = int(self.error_file_data.get("timestamp", 0))
-        if not self.message:
-            self.message = (
-                f"Signal {-self.exitcode} ({self.signal_name()}) received by PID {self.pid}"
-                if self.exitcode < 0
-                else "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
-            )
-
-    def signal_name(self) -> str:
-        if self.exitcode < 0:
-            with contextlib.suppress(ValueError):
-                return signal.Signals(-self.exitcode).name
-            return "<Unknown>"
-        return "<N/A>"
-
-    def timestamp_isoformat(self) -> str:
-        return datetime.fromtimestamp(self.timestamp, tz=UTC).isoformat(sep="_")
-
-
-class ChildFailedError(Exception):
-    """torch's ``ChildFailedError``, for when torch is not installed (``failures``: by rank)."""
-
-    def __init__(self, name: str, failures: dict[int, ProcessFailure]) -> None:
-        self.name = name
-        self.failures = failures
-        super().__init__(self.format_msg())
-
-    def get_first_failure(self) -> tuple[int, ProcessFailure]:
-        rank = min(self.failures, key=lambda r: self.failures[r].timestamp)
-        return rank, self.failures[rank]
-
-    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
-        root_rank, _ = self.get_first_failure()
-        lines = [f"{self.name} FAILED", boarder_delim * 60, "Failures:"]
-        others = [self._describe(r) for r in sorted(self.failures) if r != root_rank]
-        lines += others or ["  <NO_OTHER_FAILURES>"]
-        lines += [section_delim * 60, "Root Cause (first observed failure):"]
-        lines += [self._describe(root_rank), boarder_delim * 60]
-        return "\n".join(lines)
-
-    def _describe(self, rank: int) -> str:
-        failure = self.failures[rank]
-        message = failure.message
-        if isinstance(message, dict):  # the traceback, else the message
-            message = message.get("extraInfo", {}).get("py_callstack", message.get("message"))
-            message = str(message).replace("\n", "\n  ")
-        return (
-            f"[{rank}]:\n  time      : {failure.timestamp_isoformat()}\n"
-            f"  rank      : {rank} (local_rank: {failure.local_rank})\n"
-            f"  exitcode  : {failure.exitcode} (pid: {failure.pid})\n"
-            f"  error_file: {failure.error_file or '<N/A>'}\n  traceback : {message}"
-        )
+# -- failures ------------------------------------------------------------------------------
 
 
 class LaunchError(RuntimeError):
     """The group could not run at all (a rendezvous that failed, a worker that cannot start)."""
-
-
-def _torch_errors() -> tuple[Any, Any]:
-    """(ProcessFailure, ChildFailedError): torch's when torch is importable, else this module's."""
-    try:
-        from torch.distributed.elastic.multiprocessing import errors
-    except ImportError:
-        return ProcessFailure, ChildFailedError
-    return errors.ProcessFailure, errors.ChildFailedError
-
-
-def process_failures(failures: list[Failure]) -> dict[int, Any]:
-    """torch's ``ProcessFailure`` of each failed worker, by global rank."""
-    failure_type, _ = _torch_errors()
-    return {
-        f.rank: failure_type(
-            local_rank=f.local_rank, pid=f.pid, exitcode=f.exitcode, error_file=f.error_file or ""
-        )
-        for f in failures
-    }
-
-
-def child_failed(name: str, failures: list[Failure]) -> Exception:
-    """torch's ``ChildFailedError`` for these failures (this module's without torch)."""
-    _, error_type = _torch_errors()
-    return error_type(name=name, failures=process_failures(failures))  # type: ignore[no-any-return]
-
-
-@functools.cache
-def no_progress_error_type() -> type[Exception]:
-    """``NoProgressError``, made once: a subclass of the ``ChildFailedError`` this module
-    raises (torch's when importable), so that ``except ChildFailedError`` still catches it."""
-    _, base = _torch_errors()
-
-    class NoProgressError(base):  # type: ignore[misc,valid-type]
-        """The run ended because its restarts made no progress: do not requeue it."""
-
-        exit_code = EXIT_NO_PROGRESS
-
-        def __init__(self, name: str, failures: dict[int, Any], reason: str) -> None:
-            self.reason = reason
-            super().__init__(name=name, failures=failures)
-
-        def __str__(self) -> str:
-            return f"{self.reason}\n{super().__str__()}"
-
-    NoProgressError.__module__ = __name__
-    return NoProgressError
 
 
 def __getattr__(name: str) -> Any:
@@ -469,16 +348,20 @@ class Result:
 
 
 def launch_agent(
-    config: LaunchConfig, entrypoint: Callable[..., Any] | str | None, args: list[Any]
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str | None,
+    args: list[Any],
+    **options: object,
 ) -> dict[int, Any]:
     """Run the job on this node; ``{global_rank: return_value}`` for its ranks.
 
-    Raises ``ChildFailedError`` past ``max_restarts`` (``NoProgressError`` when its
-    restarts made no progress), :class:`LaunchError`
-    when the group cannot run, ValueError on a config or entrypoint it
-    cannot honour (before anything starts).
+    ``options``: run options beyond the config's fields. Raises
+    ``ChildFailedError`` past ``max_restarts`` (``NoProgressError`` when its
+    restarts made no progress), :class:`LaunchError` when the group cannot
+    run, ValueError on a config or entrypoint it cannot honour (before
+    anything starts).
     """
-    result = run_launch(config, entrypoint, args)
+    result = run_launch(config, entrypoint, args, **options)
     if result.state is GroupState.SUCCEEDED:
         return result.values
     if result.no_progress is not None and result.failures:
@@ -618,12 +501,19 @@ def _signals_forwarded(
 class elastic_launch:  # noqa: N801 - torch's name
     """``elastic_launch(config, entrypoint)(*args)``: :func:`launch_agent`, as torch spells it."""
 
-    def __init__(self, config: LaunchConfig, entrypoint: Callable[..., Any] | str | None) -> None:
+    def __init__(
+        self,
+        config: LaunchConfig,
+        entrypoint: Callable[..., Any] | str | None,
+        **options: object,
+    ) -> None:
+        """``options``: run options beyond the config's fields (``max_no_progress_restarts``)."""
         self._config = config
         self._entrypoint = entrypoint
+        self._options = options
 
     def __call__(self, *args: Any) -> dict[int, Any]:
-        return launch_agent(self._config, self._entrypoint, list(args))
+        return launch_agent(self._config, self._entrypoint, list(args), **self._options)
 
 
 async def launch_agent_async(

@@ -86,17 +86,17 @@ def test_a_program_that_shows_no_step_is_never_judged(tmp_path: Path) -> None:
 
 
 def test_the_launch_api_raises_no_progress_error_a_child_failed_error(tmp_path: Path) -> None:
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="t", max_restarts=4)
-    knobs = {"FAIL_AT": "2 if n == 0 else 1", "FINISH_AT": "100"}
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="t", max_restarts=9)
+    launch = elastic_launch(config, sys.executable, max_no_progress_restarts=2)
     with pytest.MonkeyPatch.context() as env:
-        for name, value in knobs.items():
-            env.setenv(name, value)
+        env.setenv("FAIL_AT", "2 if n == 0 else 1")
+        env.setenv("FINISH_AT", "100")
         with pytest.raises(ChildFailedError) as caught:  # torch's, as torch users catch it
-            elastic_launch(config, sys.executable)("-u", TRAINER, str(tmp_path))
+            launch("-u", TRAINER, str(tmp_path))
     assert isinstance(caught.value, launcher.NoProgressError)
     assert caught.value.exit_code == 93
-    assert "4 failed attempts in a row made no progress (no timer released)" in str(caught.value)
-    assert f"rank 0 on {socket.gethostname()}: exited with status 1 (4 of 4 attempts)" in (
+    assert "3 failed attempts in a row made no progress (no timer released)" in str(caught.value)
+    assert f"rank 0 on {socket.gethostname()}: exited with status 1 (3 of 3 attempts)" in (
         caught.value.reason
     )
     assert set(caught.value.failures) == {0}
