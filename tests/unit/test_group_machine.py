@@ -25,6 +25,7 @@ from watchdogd.core.group_machine import (
     WorkerExited,
     WorkerStuck,
 )
+from watchdogd.core.progress import StepProgress
 from watchdogd_client.groups import GroupState as S
 
 
@@ -175,7 +176,9 @@ class MachineRuns(RuleBasedStateMachine):
     then workers exit, hang, stick in D state, and operators and peers step in.
 
     The model keeps what a runner would see: which workers run, which were sent a
-    signal, why the last stop began, and how many restarts each kind there were.
+    signal, why the last stop began, and how many restarts each kind there were;
+    and, as a worker's steps would tell it, whether each attempt made progress and
+    how many failed in a row without.
     While a round is being met the runner reads no input, so no rule but the
     round's fires then.
     """
@@ -192,10 +195,16 @@ class MachineRuns(RuleBasedStateMachine):
         self.meeting = False
         self.cause: Cause | None = None
         self.finished: S | None = None
+        self.stepped = False
+        """A worker of the current attempt completed a step."""
+        self.seen = False
+        self.no_progress_failures = 0
+        """Failed attempts in a row, once a step was seen, that completed none."""
 
-    @initialize(nproc=st.integers(1, 3), max_restarts=st.integers(0, 3))
-    def start(self, nproc: int, max_restarts: int) -> None:
-        self.machine = GroupMachine(nproc, max_restarts, shutdown_timeout=5)
+    @initialize(nproc=st.integers(1, 3), max_restarts=st.integers(0, 3), limit=st.integers(0, 2))
+    def start(self, nproc: int, max_restarts: int, limit: int) -> None:
+        progress = StepProgress(limit)
+        self.machine = GroupMachine(nproc, max_restarts, shutdown_timeout=5, progress=progress)
         self.apply(self.machine.start())
         self.rendezvous_round("met")  # the first: a round that fails is a later one's
 
@@ -222,9 +231,13 @@ class MachineRuns(RuleBasedStateMachine):
             match action:
                 case Transition(old, new):
                     assert (old, new) in EDGES
+                    if (old, new) == (S.STOPPING, S.STOPPED):
+                        self.attempt_ended()
                     if (old, new) == (S.STOPPED, S.FAILED):
                         assert self.cause == "failure"
-                        assert self.failure_restarts == self.machine.max_restarts
+                        assert self.failure_restarts == self.machine.max_restarts or (
+                            self.machine.progress.exhausted
+                        )
                 case Spawn(attempt, restart_count):
                     assert attempt == self.spawns
                     if self.spawns:
@@ -236,7 +249,9 @@ class MachineRuns(RuleBasedStateMachine):
                     assert restart_count == self.failure_restarts
                     self.spawns += 1
                     self.meeting = True  # the runner meets the round before any worker starts
+                    assert not self.machine.progress.exhausted  # never a restart after it
                     self.running, self.asked_to_stop, self.cause = set(), set(), None
+                    self.stepped = False
                 case Signal(local_ranks):
                     assert set(local_ranks) <= self.running
                     self.asked_to_stop |= set(local_ranks)
@@ -245,6 +260,15 @@ class MachineRuns(RuleBasedStateMachine):
                     if state is S.STOPPED:
                         assert self.cause == "stop"
                     self.finished = state
+
+    def attempt_ended(self) -> None:
+        """The model's count of failures without progress, as the attempt stops."""
+        if self.cause not in ("failure", "free"):
+            return
+        if self.stepped:
+            self.no_progress_failures = 0
+        elif self.cause == "failure" and self.seen:
+            self.no_progress_failures += 1
 
     def pick_running(self, data: st.DataObject) -> int:
         return data.draw(st.sampled_from(sorted(self.running)))
@@ -281,6 +305,12 @@ class MachineRuns(RuleBasedStateMachine):
         self.running.discard(local_rank)
         if self.finished is None:
             self.feed(WorkerExited(local_rank, -signal.SIGTERM, self.machine.attempt))
+
+    @precondition(lambda self: not self.meeting and self.running and self.finished is None)
+    @rule(data=st.data())
+    def a_worker_completes_a_step(self, data: st.DataObject) -> None:
+        self.machine.progress.released(self.machine.attempt, f"scope {self.pick_running(data)}")
+        self.stepped = self.seen = True
 
     @precondition(lambda self: not self.meeting and self.machine.attempt > 0 and self.running)
     @rule(data=st.data())
@@ -342,6 +372,14 @@ class MachineRuns(RuleBasedStateMachine):
     def restarts_are_counted_by_kind(self) -> None:
         assert self.machine.restarts_used == self.failure_restarts
         assert self.machine.attempt == self.failure_restarts + self.free_restarts
+
+    @invariant()
+    def only_failures_without_progress_past_the_limit_end_it_for_good(self) -> None:
+        progress = self.machine.progress
+        past_the_limit = 0 < progress.limit < self.no_progress_failures
+        assert progress.exhausted == past_the_limit
+        if past_the_limit:
+            assert self.finished is S.FAILED
 
     @invariant()
     def no_more_failure_restarts_than_allowed(self) -> None:
