@@ -36,12 +36,12 @@ def test_no_progress_after_k_restarts_ends_with_the_code_naming_the_rank(tmp_pat
         FAIL_AT="2 if n == 0 else 1", FAIL_RANK="1", OTHERS_WAIT="30", FINISH_AT="100",
     )  # fmt: skip
     assert status == EXIT_NO_PROGRESS == 93, stderr
-    assert "FAILED after 4 attempt(s), 3 restart(s)" in stderr
+    assert "FAILED after 3 attempt(s), 2 restart(s)" in stderr
     assert (
-        "do not requeue (exit 93): 3 failed attempts in a row made no progress "
+        "do not requeue (exit 93): 2 failed attempts in a row made no progress "
         "(no timer released)" in stderr
     )
-    assert f"rank 1 on {socket.gethostname()}: exited with status 1 (3 of 3 attempts)" in stderr
+    assert f"rank 1 on {socket.gethostname()}: exited with status 1 (2 of 2 attempts)" in stderr
 
 
 @pytest.mark.parametrize("report", ["0", "1"], ids=["releases", "reported"])
@@ -65,7 +65,7 @@ def test_recomputed_steps_are_no_progress_once_reported_and_releases_cannot_tell
     flags = ("--max-restarts", "4", "--max-no-progress-restarts", "1")
     status, stderr = train(tmp_path, *flags, **knobs, REPORT="1")
     assert status == EXIT_NO_PROGRESS, stderr
-    assert "FAILED after 3 attempt(s), 2 restart(s)" in stderr
+    assert "FAILED after 2 attempt(s), 1 restart(s)" in stderr
     assert "(no step past 4 reported (wd.progress))" in stderr
     # The documented limit: with releases alone each attempt completed a step, so it
     # counts as progress, and the run ends at max_restarts, a requeue allowed.
@@ -95,8 +95,8 @@ def test_the_launch_api_raises_no_progress_error_a_child_failed_error(tmp_path: 
             launch("-u", TRAINER, str(tmp_path))
     assert isinstance(caught.value, launcher.NoProgressError)
     assert caught.value.exit_code == 93
-    assert "3 failed attempts in a row made no progress (no timer released)" in str(caught.value)
-    assert f"rank 0 on {socket.gethostname()}: exited with status 1 (3 of 3 attempts)" in (
+    assert "2 failed attempts in a row made no progress (no timer released)" in str(caught.value)
+    assert f"rank 0 on {socket.gethostname()}: exited with status 1 (2 of 2 attempts)" in (
         caught.value.reason
     )
     assert set(caught.value.failures) == {0}

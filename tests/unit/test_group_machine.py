@@ -374,11 +374,11 @@ class MachineRuns(RuleBasedStateMachine):
         assert self.machine.attempt == self.failure_restarts + self.free_restarts
 
     @invariant()
-    def only_failures_without_progress_past_the_limit_end_it_for_good(self) -> None:
+    def only_failures_without_progress_up_to_the_limit_end_it_for_good(self) -> None:
         progress = self.machine.progress
-        past_the_limit = 0 < progress.limit < self.no_progress_failures
-        assert progress.exhausted == past_the_limit
-        if past_the_limit:
+        at_the_limit = 0 < progress.limit <= self.no_progress_failures
+        assert progress.exhausted == at_the_limit
+        if at_the_limit:
             assert self.finished is S.FAILED
 
     @invariant()

@@ -33,8 +33,8 @@ def test_releases_any_release_is_progress_and_a_silent_failure_is_not() -> None:
     assert progress.progressed()
     assert progress.attempt_ended(failed=True) is False
     assert progress.streak == 0
-    # Three failures in a row without a release: the third passes the limit of 2 restarts.
-    assert fail_attempts(progress, 3, first=1) == [False, False, True]
+    # The second restart in a row without a release reaches the limit of 2.
+    assert fail_attempts(progress, 2, first=1) == [False, True]
     assert progress.exhausted
 
 
@@ -63,8 +63,6 @@ def test_a_named_scope_counts_only_its_own_releases() -> None:
     progress.attempt_ended(failed=True)
     progress.begin(1)
     progress.released(1, "load")
-    assert progress.attempt_ended(failed=True) is False
-    progress.begin(2)
     assert progress.attempt_ended(failed=True) is True
     assert progress.describe() == "no release of scope 'step'"
 
@@ -90,13 +88,13 @@ def test_reported_steps_recomputed_ones_do_not_count() -> None:
     # Each later attempt resumes from the checkpoint at 100 and fails at 105 again, its
     # steps released as well: recomputed steps, no progress, whatever the releases say.
     verdicts = []
-    for attempt in range(1, 4):
+    for attempt in range(1, 3):
         progress.begin(attempt)
         for step in range(101, 106):
             progress.released(attempt, "step")
             progress.reported(attempt, step)
         verdicts.append(progress.attempt_ended(failed=True))
-    assert verdicts == [False, False, True]
+    assert verdicts == [False, True]
     assert progress.describe() == "no step past 105 reported (wd.progress)"
 
 
@@ -111,7 +109,7 @@ def test_reported_steps_one_step_further_each_time_is_progress() -> None:
 
 
 def test_an_attempt_that_ends_without_failing_neither_counts_nor_breaks_the_run() -> None:
-    progress = StepProgress(limit=1)
+    progress = StepProgress(limit=2)
     progress.begin(0)
     progress.released(0, "step")
     progress.attempt_ended(failed=True)
@@ -141,16 +139,16 @@ def test_machine_ends_after_k_restarts_without_progress() -> None:
     m = GroupMachine(nproc=1, max_restarts=100, shutdown_timeout=5, progress=progress)
     m.start()
     progress.released(0, "step")
-    for attempt in range(1, 5):  # attempt 0 progressed; 1..4 do not
+    for attempt in range(1, 4):  # attempt 0 progressed; 1..3, after restarts 1..3, do not
         actions = fail_once(m, attempt)
         assert Spawn(attempt, attempt) in actions
-    actions = fail_once(m, 5)
-    assert m.restarts_used == 4  # 3 restarts without progress after attempt 1's failure
+    actions = fail_once(m, 4)  # the third restart in a row without progress: no fourth
+    assert m.restarts_used == 3
     moves = [a.new for a in actions if isinstance(a, Transition)]
     assert moves == [S.STOPPING, S.STOPPED, S.FAILED]
     assert actions[-1] == Finished(S.FAILED)
     failed = [a for a in actions if isinstance(a, Transition) and a.new is S.FAILED]
-    assert failed[0].reason == "no progress in 4 failed attempts in a row (no timer released)"
+    assert failed[0].reason == "no progress in 3 failed attempts in a row (no timer released)"
     assert progress.exhausted
 
 
@@ -165,10 +163,12 @@ def test_machine_keeps_restarting_a_job_that_progresses() -> None:
 
 
 def test_machine_without_restarts_left_and_no_progress_is_exhausted_too() -> None:
-    progress = StepProgress(limit=1)
-    m = GroupMachine(nproc=1, max_restarts=1, shutdown_timeout=5, progress=progress)
+    progress = StepProgress(limit=2)
+    m = GroupMachine(nproc=1, max_restarts=2, shutdown_timeout=5, progress=progress)
     m.start()
     progress.released(0, "step")
     fail_once(m, 1)
-    fail_once(m, 2)  # attempt 1: no restart left, and the first failure without progress
-    assert m.state is S.FAILED and not progress.exhausted
+    fail_once(m, 2)  # attempt 1: a restart without progress, one below the limit
+    assert m.state is S.HEALTHY
+    fail_once(m, 3)  # attempt 2: no restart left, and the limit reached
+    assert m.state is S.FAILED and progress.exhausted

@@ -10,7 +10,7 @@ Rules
   STOPPED -> HEALTHY with a new attempt while restarts remain, else
   STOPPED -> FAILED.
 - Progress (:class:`~watchdogd.core.progress.StepProgress`): a failed attempt
-  that made none counts; past ``progress.limit`` such restarts in a row,
+  that made none counts; at ``progress.limit`` such failures in a row,
   STOPPED -> FAILED instead of a restart (``progress.exhausted``: do not
   requeue). Each attempt's start and end is told to it.
 - A worker stuck in D state, or a fatal fault of a GPU it uses:

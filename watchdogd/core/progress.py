@@ -4,9 +4,10 @@ Theory of operation
 -------------------
 A job that fails the same way on every attempt wastes its allocation, and a
 scheduler that requeues it wastes the next one. The group counts the
-attempts that failed in a row without progress; past ``limit`` restarts so
-spent, it ends with :data:`EXIT_NO_PROGRESS` ("do not requeue") instead of
-restarting again.
+attempts that failed in a row without progress; once ``limit`` restarts in
+a row got none (each restarted attempt failed again without a new step),
+it ends with :data:`EXIT_NO_PROGRESS` ("do not requeue") instead of
+restarting once more.
 
 Progress means a step past the highest step any earlier attempt reached.
 Steps come from the workers of this node, in one of two ways:
@@ -97,15 +98,15 @@ class StepProgress:
         return self._released > 0
 
     def attempt_ended(self, *, failed: bool) -> bool:
-        """The current attempt is over; True if it was a failure past the limit, which ends
-        the group (``exhausted``)."""
+        """The current attempt is over; True if its failure reached the limit, which ends the
+        group (``exhausted``)."""
         if self.progressed():
             self.streak = 0
             if self.reporting:
                 self.highest = self._reported
         elif failed and self.seen:
             self.streak += 1
-        self.exhausted = failed and 0 < self.limit < self.streak
+        self.exhausted = failed and 0 < self.limit <= self.streak
         return self.exhausted
 
     def describe(self) -> str:
