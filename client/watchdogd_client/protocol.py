@@ -18,7 +18,8 @@ Unix stream socket
     the next sequence number (Hello is 0). Replies name the ``seq`` they
     answer. ``acquire``, ``release``, ``release_all``, ``device_time`` and
     ``progress`` are answered only when they fail, so a client can pipeline
-    them without waiting for a round trip; ``sync`` is answered once everything before it is processed.
+    them without waiting for a round trip; ``sync`` is answered once
+    everything before it is processed.
 
 Error codes (stable, see :data:`ERROR_CODES`) tell a program what went wrong;
 the message tells a person.
