@@ -141,3 +141,26 @@ async def test_inject_over_the_socket_only_where_enabled_and_for_operators(
     assert elsewhere.returncode == 1 and "rank 7 does not run on this node" in elsewhere.stderr
     assert runner.last_failure is not None
     assert runner.last_failure.reason == "killed by SIGKILL (injected fault: kill)"
+
+
+@pytest.mark.anyio
+async def test_a_stopped_rank_is_killed_at_its_deadline_without_waiting_for_stacks(
+    short_dir: Path,
+) -> None:
+    # A stopped process writes no faulthandler dump: the kill must not wait the
+    # stack_dump_timeout (2 s) for one, and its event says why there is none.
+    spec = GroupSpec(
+        name="train",
+        entrypoint=[sys.executable, "-c", STEPS, "400"],
+        nproc=2,
+        faults=[Fault(kind="sigstop", rank=1, after=0.5)],
+    )
+    async with running_daemon(short_dir, groups=[spec], fault_injection=True) as daemon:
+        runner = daemon.supervisor.get("train")
+        await wait_for(lambda: runner.state is GroupState.FAILED, 30)
+        events = daemon.events.since()
+    (expired,) = [e for e in events if e.name == "timer_expired"]
+    assert expired.metadata["action"] == "signalled"
+    assert float(expired.metadata["late_ms"] or 0) < 1000, expired.metadata
+    assert expired.metadata["stopped"] is True
+    assert expired.metadata["dump"] is None
