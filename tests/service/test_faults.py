@@ -118,7 +118,7 @@ async def test_inject_over_the_socket_only_where_enabled_and_for_operators(
         bad = await ctl(daemon.socket_path, "inject", "train", "kill")
         client = wd.SocketTimerClient(daemon.socket_path)
         try:
-            with pytest.raises(wd.RequestError, match="faults need fault_injection"):
+            with pytest.raises(wd.RequestError, match="disabled: set fault_injection = true"):
                 await anyio.to_thread.run_sync(
                     client.submit_group,
                     GroupSpec(
@@ -164,3 +164,29 @@ async def test_a_stopped_rank_is_killed_at_its_deadline_without_waiting_for_stac
     assert float(expired.metadata["late_ms"] or 0) < 1000, expired.metadata
     assert expired.metadata["stopped"] is True
     assert expired.metadata["dump"] is None
+
+
+# Rank 0 of the first attempt asks its own run's daemon for a drill, as an operator would.
+INJECTS = textwrap.dedent(
+    """
+    import os, subprocess
+    if os.environ["RANK"] == "0" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        asked = ["watchdogctl", "inject", "default", "kill:rank=1:after=0.5"]
+        out = subprocess.run(asked, capture_output=True, text=True)
+        print(f"inject: {out.returncode} {out.stdout.strip()} {out.stderr.strip()}", flush=True)
+    """
+)
+
+
+def test_watchdogctl_injects_into_a_run_started_with_fault_injection(tmp_path: Path) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text(INJECTS + STEPS)
+    refused = run("--nproc-per-node", "2", str(worker))
+    assert refused.returncode == 0, refused.stderr
+    # The flag of the command in use, not a config key `watchdogd run` cannot set.
+    assert "inject: 1" in refused.stdout and "--fault-injection" in refused.stdout
+    assert "fault_injection = true" not in refused.stdout
+    drilled = run("--nproc-per-node", "2", "--max-restarts", "1", "--fault-injection", str(worker))
+    assert drilled.returncode == 0, drilled.stderr
+    assert "inject: 0 kill injected into rank 1 of default" in drilled.stdout
+    assert "killed by SIGKILL (injected fault: kill)" in drilled.stderr
