@@ -184,7 +184,7 @@ class Daemon:
             self.stats,
             self.timers,
             self.watch,
-            self.scopes.stragglers.board,
+            self.scopes.stragglers,
             self.supervisor.states,
             self.supervisor.infos,
             self.loop_monitor,

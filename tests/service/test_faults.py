@@ -9,6 +9,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from prometheus_client import generate_latest
 
 import watchdogd_client as wd
 from watchdogd.core.faults import parse_fault
@@ -104,6 +105,10 @@ async def test_an_injected_slowdown_is_a_straggler_not_a_hang(short_dir: Path) -
     assert injected.metadata["kind"] == "slow" and injected.metadata["rank"] == 2
     flags = [e for e in events if e.name == "straggler"]
     assert [e.metadata["rank"] for e in flags] == [2]
+    assert flags[0].metadata["injected"] is True  # an alert rule can tell the drill
+    scrape = generate_latest(daemon.metrics.registry).decode()
+    assert 'watchdogd_straggler_flags_total{injected="true"} 1.0' in scrape
+    assert 'watchdogd_straggler_flags_total{injected="false"} 0.0' in scrape
     assert not [e for e in events if e.name == "timer_expired"]  # 1.6 x 40 ms < the 1 s timer
 
 
@@ -159,8 +164,13 @@ async def test_a_stopped_rank_is_killed_at_its_deadline_without_waiting_for_stac
         runner = daemon.supervisor.get("train")
         await wait_for(lambda: runner.state is GroupState.FAILED, 30)
         events = daemon.events.since()
+        scrape = generate_latest(daemon.metrics.registry).decode()
     (expired,) = [e for e in events if e.name == "timer_expired"]
     assert expired.metadata["action"] == "signalled"
+    # A drill's expiry, told from a real one by events and metrics alike.
+    assert expired.metadata["injected"] is True
+    assert 'watchdogd_expiries_total{injected="true"} 1.0' in scrape
+    assert 'watchdogd_expiries_total{injected="false"} 0.0' in scrape
     assert float(expired.metadata["late_ms"] or 0) < 1000, expired.metadata
     assert expired.metadata["stopped"] is True
     assert expired.metadata["dump"] is None

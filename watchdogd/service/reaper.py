@@ -22,6 +22,8 @@ Rules
   handler and writes no dump: it is signalled at once, its own stacks
   and trace are not asked for, and its ``timer_expired`` event says
   ``stopped=True``.
+- The expiry of a worker a drill's fault was injected into is the
+  drill's: its event says ``injected=True`` and it is counted apart.
 - When the process is a worker whose group runs torch's NCCL flight
   recorder, every rank of that group on this node is made to dump its
   trace at the same time (a thread per rank polls for it), and the traces
@@ -206,6 +208,8 @@ class Reaper:
         done: list[Expiry] = []
         for timer in expired:
             self.stats.expired += 1
+            if self.supervision.injected(timer.pid):
+                self.stats.expired_injected += 1
             handle = self.processes.process(timer.pid)
             first = timer.signal > 0 and timer.pid not in chosen
             if first:
@@ -221,7 +225,7 @@ class Reaper:
 
     def record(self, done: list[Expiry]) -> None:
         for timer, outcome in done:
-            self._report(timer, outcome, None)
+            self._report(timer, outcome, None, self._marks(timer, stopped=False))
 
     def _wants_dump(self, timer: Timer, first: bool) -> bool:
         # Record-only timers get their dump too: that is often their point.
@@ -238,6 +242,7 @@ class Reaper:
         node): after the signal, it delays the event, not the kill.
         """
         stopped = _stopped(handle)
+        marks = self._marks(timer, stopped)  # before its exit takes it out of the index
         self.capturing += 1
         try:
             captured = await self._capture(timer, handle, stopped)
@@ -248,7 +253,7 @@ class Reaper:
         try:
             dump = await self._save(timer, captured)
         finally:  # recorded even if the daemon stops meanwhile
-            self._report(timer, outcome, dump, stopped)
+            self._report(timer, outcome, dump, marks)
 
     async def _escalate(self, timer: Timer, handle: ProcessHandle, grace: float) -> None:
         """SIGKILL the process if it outlives its signal by ``grace`` (``kill_grace``)."""
@@ -413,15 +418,25 @@ class Reaper:
             self._task_group.start_soon(self._escalate, timer, handle, grace)
         return late
 
+    def _marks(self, timer: Timer, stopped: bool) -> dict[str, Metadata]:
+        """What the event adds: the process was stopped (why it has no dump), and the
+        expiry is a drill's."""
+        marks: dict[str, Metadata] = {"stopped": True} if stopped else {}
+        if self.supervision.injected(timer.pid):
+            marks["injected"] = True
+        return marks
+
     def _report(
-        self, timer: Timer, outcome: float | str, dump: DumpInfo | None, stopped: bool = False
+        self,
+        timer: Timer,
+        outcome: float | str,
+        dump: DumpInfo | None,
+        marks: dict[str, Metadata],
     ) -> None:
-        """Record what :meth:`_send` did (``_RECORDED``: a timer that signals nothing);
-        ``stopped``: the process was stopped, which is why it has no dump."""
-        why = {"stopped": True} if stopped else {}
+        """Record what :meth:`_send` did (``_RECORDED``: a timer that signals nothing)."""
         if isinstance(outcome, str):
             dumped = {"dump": dump.id if dump else None} if outcome is _RECORDED else {}
-            self.events.emit("timer_expired", **describe(timer), action=outcome, **dumped, **why)
+            self.events.emit("timer_expired", **describe(timer), action=outcome, **dumped, **marks)
             return
         self.events.emit(
             "timer_expired",
@@ -429,5 +444,5 @@ class Reaper:
             action="signalled",
             late_ms=round(outcome * 1000, 3),
             dump=dump.id if dump else None,
-            **why,
+            **marks,
         )
