@@ -39,7 +39,7 @@ from watchdogd import __version__
 from watchdogd.core.config import Config
 from watchdogd.core.ports import GroupError
 from watchdogd.groups.runner import Endpoints, WorkerIndex
-from watchdogd.groups.supervisor import Supervisor
+from watchdogd.groups.supervisor import CONFIG_CONSENT, Supervisor
 from watchdogd.linux import aio
 from watchdogd.linux.endpoints import (
     EndpointError,
@@ -91,8 +91,17 @@ def _events_dropped(count: int) -> str:
 class Daemon:
     """The timer service and the worker groups. ``await Daemon(config).serve()`` runs them."""
 
-    def __init__(self, config: Config, *, loop_tick: float = 0.5, embedded: bool = False) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        loop_tick: float = 0.5,
+        embedded: bool = False,
+        fault_consent: str = CONFIG_CONSENT,
+    ) -> None:
         """ConfigError when the event handler the config names cannot be had.
+
+        ``fault_consent``: what allows injected faults, for the refusals to name.
 
         ``embedded``: it runs in someone else's process (``watchdogd.launcher``),
         which may be a systemd service of its own: it adopts no ``LISTEN_FDS``,
@@ -170,12 +179,13 @@ class Daemon:
             stragglers=self.scopes.stragglers,
             runs=self.scopes,
             settings=config.supervisor_settings(),
+            fault_consent=fault_consent,
         )
         self.metrics = Metrics(
             self.stats,
             self.timers,
             self.watch,
-            self.scopes.stragglers.board,
+            self.scopes.stragglers,
             self.supervisor.states,
             self.supervisor.infos,
             self.loop_monitor,

@@ -30,6 +30,7 @@ from watchdogd.core.run_options import Host
 from watchdogd.daemon import Daemon
 from watchdogd.groups.runner import GroupRunner, visible_gpus
 from watchdogd.groups.starters import WorkerStarter
+from watchdogd.groups.supervisor import CONFIG_CONSENT
 from watchdogd.linux import aio as _aio
 from watchdogd.linux.run_dirs import make_run_dir, sweep, tidy
 from watchdogd_client.groups import GroupSpec, GroupState
@@ -96,6 +97,7 @@ def run_group(
     signals: Sequence[signal.Signals] = (),
     starter: WorkerStarter | None = None,
     on_started: Callable[[Callable[[int], object]], None] | None = None,
+    fault_consent: str = CONFIG_CONSENT,
 ) -> Outcome:
     """Run ``spec`` to its end; ConfigError (before anything runs) on a bad ``config``.
 
@@ -103,12 +105,13 @@ def run_group(
     to the workers, and stop the group. With ``on_started`` the loop runs in
     a thread of its own instead, in someone else's process (the daemon is
     ``embedded``), and ``on_started`` gets a function that hands it a signal
-    from any thread.
+    from any thread. ``fault_consent``: how the caller's user allows injected
+    faults, which a refusal names.
     """
     swept = sweep()
     config, runtime_dir = _run_config(config, spec)
     try:
-        daemon = Daemon(config, embedded=on_started is not None)
+        daemon = Daemon(config, embedded=on_started is not None, fault_consent=fault_consent)
     except BaseException:
         if runtime_dir is not None:
             tidy(runtime_dir)

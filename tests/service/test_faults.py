@@ -9,6 +9,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from prometheus_client import generate_latest
 
 import watchdogd_client as wd
 from watchdogd.core.faults import parse_fault
@@ -104,6 +105,10 @@ async def test_an_injected_slowdown_is_a_straggler_not_a_hang(short_dir: Path) -
     assert injected.metadata["kind"] == "slow" and injected.metadata["rank"] == 2
     flags = [e for e in events if e.name == "straggler"]
     assert [e.metadata["rank"] for e in flags] == [2]
+    assert flags[0].metadata["injected"] is True  # an alert rule can tell the drill
+    scrape = generate_latest(daemon.metrics.registry).decode()
+    assert 'watchdogd_straggler_flags_total{injected="true"} 1.0' in scrape
+    assert 'watchdogd_straggler_flags_total{injected="false"} 0.0' in scrape
     assert not [e for e in events if e.name == "timer_expired"]  # 1.6 x 40 ms < the 1 s timer
 
 
@@ -118,7 +123,7 @@ async def test_inject_over_the_socket_only_where_enabled_and_for_operators(
         bad = await ctl(daemon.socket_path, "inject", "train", "kill")
         client = wd.SocketTimerClient(daemon.socket_path)
         try:
-            with pytest.raises(wd.RequestError, match="faults need fault_injection"):
+            with pytest.raises(wd.RequestError, match="disabled: set fault_injection = true"):
                 await anyio.to_thread.run_sync(
                     client.submit_group,
                     GroupSpec(
@@ -141,3 +146,57 @@ async def test_inject_over_the_socket_only_where_enabled_and_for_operators(
     assert elsewhere.returncode == 1 and "rank 7 does not run on this node" in elsewhere.stderr
     assert runner.last_failure is not None
     assert runner.last_failure.reason == "killed by SIGKILL (injected fault: kill)"
+
+
+@pytest.mark.anyio
+async def test_a_stopped_rank_is_killed_at_its_deadline_without_waiting_for_stacks(
+    short_dir: Path,
+) -> None:
+    # A stopped process writes no faulthandler dump: the kill must not wait the
+    # stack_dump_timeout (2 s) for one, and its event says why there is none.
+    spec = GroupSpec(
+        name="train",
+        entrypoint=[sys.executable, "-c", STEPS, "400"],
+        nproc=2,
+        faults=[Fault(kind="sigstop", rank=1, after=0.5)],
+    )
+    async with running_daemon(short_dir, groups=[spec], fault_injection=True) as daemon:
+        runner = daemon.supervisor.get("train")
+        await wait_for(lambda: runner.state is GroupState.FAILED, 30)
+        events = daemon.events.since()
+        scrape = generate_latest(daemon.metrics.registry).decode()
+    (expired,) = [e for e in events if e.name == "timer_expired"]
+    assert expired.metadata["action"] == "signalled"
+    # A drill's expiry, told from a real one by events and metrics alike.
+    assert expired.metadata["injected"] is True
+    assert 'watchdogd_expiries_total{injected="true"} 1.0' in scrape
+    assert 'watchdogd_expiries_total{injected="false"} 0.0' in scrape
+    assert float(expired.metadata["late_ms"] or 0) < 1000, expired.metadata
+    assert expired.metadata["stopped"] is True
+    assert expired.metadata["dump"] is None
+
+
+# Rank 0 of the first attempt asks its own run's daemon for a drill, as an operator would.
+INJECTS = textwrap.dedent(
+    """
+    import os, subprocess
+    if os.environ["RANK"] == "0" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        asked = ["watchdogctl", "inject", "default", "kill:rank=1:after=0.5"]
+        out = subprocess.run(asked, capture_output=True, text=True)
+        print(f"inject: {out.returncode} {out.stdout.strip()} {out.stderr.strip()}", flush=True)
+    """
+)
+
+
+def test_watchdogctl_injects_into_a_run_started_with_fault_injection(tmp_path: Path) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text(INJECTS + STEPS)
+    refused = run("--nproc-per-node", "2", str(worker))
+    assert refused.returncode == 0, refused.stderr
+    # The flag of the command in use, not a config key `watchdogd run` cannot set.
+    assert "inject: 1" in refused.stdout and "--fault-injection" in refused.stdout
+    assert "fault_injection = true" not in refused.stdout
+    drilled = run("--nproc-per-node", "2", "--max-restarts", "1", "--fault-injection", str(worker))
+    assert drilled.returncode == 0, drilled.stderr
+    assert "inject: 0 kill injected into rank 1 of default" in drilled.stdout
+    assert "killed by SIGKILL (injected fault: kill)" in drilled.stderr

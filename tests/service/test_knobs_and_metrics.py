@@ -182,7 +182,7 @@ async def test_metrics_parse_and_move(short_dir: Path) -> None:
             client.close()
         after = await anyio.to_thread.run_sync(scrape)
         assert after["watchdogd_requests_total{op=acquire,transport=socket}"] >= 2
-        assert after["watchdogd_expiries_total{}"] == 1
+        assert after["watchdogd_expiries_total{injected=false}"] == 1
         assert after["watchdogd_kills_total{signal=9}"] == 1
         assert after["watchdogd_refusals_total{reason=refused}"] == 1
         assert after["watchdogd_expiry_to_signal_seconds_count{}"] == 1

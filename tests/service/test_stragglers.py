@@ -126,9 +126,9 @@ async def test_a_rank_that_computes_slower_is_flagged_and_shown(short_dir: Path)
     (row,) = [line for line in table.splitlines() if "STRAGGLER" in line]
     assert row.split()[:3] == ["train", "compute", "2"]
     assert "STRAGGLERS" in groups and groups.splitlines()[-1].split()[-1] == "2"
-    series = 'watchdogd_stragglers{group="train",rank="2",scope="compute"} 1.0'
+    series = 'watchdogd_stragglers{group="train",injected="false",rank="2",scope="compute"} 1.0'
     assert series in metrics
-    assert "watchdogd_straggler_flags_total 1.0" in metrics
+    assert 'watchdogd_straggler_flags_total{injected="false"} 1.0' in metrics
 
 
 async def test_job_listing_adds_what_other_nodes_published(short_dir: Path) -> None:

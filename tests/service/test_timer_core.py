@@ -114,6 +114,9 @@ class NoSupervision:
     def timer_fired(self, pid: int, scope_id: str) -> None:
         raise AssertionError("no group here")
 
+    def injected(self, pid: int) -> bool:
+        return False
+
     def flight_recorders(self, pid: int) -> list[object]:
         return []
 

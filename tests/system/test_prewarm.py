@@ -23,10 +23,16 @@ PROBE = "import os\nIMPORTED_BY = os.getpid()\n"
 
 # What a worker sees of itself, as a fresh interpreter would show it.
 SELF_REPORT = """
-    import json, os, sys
+    import json, os, subprocess, sys
     here = os.environ["OUT"]
     attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["LOCAL_RANK"]
+    with open("/proc/self/cmdline", "rb") as f:
+        cmdline = f.read().rstrip(b"\\0").decode().split("\\0")
+    # Monitoring by command line: `pgrep -f` finds the worker by its script or module.
+    found = subprocess.run(["pgrep", "-f", "pkg.report"], capture_output=True, text=True)
     seen = {
+        "cmdline": cmdline,
+        "pgrep": str(os.getpid()) in found.stdout.split(),
         "env": dict(os.environ),
         "argv": sys.argv,
         "name": __name__,
@@ -85,6 +91,8 @@ def test_a_prewarmed_worker_is_what_a_fresh_one_is(tmp_path: Path, how: str) -> 
             assert (key, spare["env"].get(key)) == (key, fresh["env"].get(key))
         assert spare == fresh
     assert seen["spare"][0]["argv"][1:] == ["x", "--y"]
+    assert seen["spare"][0]["cmdline"][-len(target) - 2 :] == [*target, "x", "--y"]
+    assert seen["spare"][0]["pgrep"]
     assert seen["spare"][0]["name"] == "__main__"
     assert seen["spare"][0]["path0"] == str(tmp_path if how == "module" else tmp_path / "pkg")
 

@@ -57,6 +57,7 @@ __all__ = ["add_run_arguments", "options_from_args", "run"]
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+_FAULT_CONSENT = "start `watchdogd run` with --fault-injection"
 _DEFAULT = RunOptions()
 
 
@@ -147,7 +148,11 @@ def add_run_arguments(
           "match wins")  # fmt: skip
     parser.add_argument("--inject", action="append", default=argparse.SUPPRESS, metavar="FAULT",
           help="a drill: inject KIND[:VALUE]:rank=R[:after=S] once (hang, sigstop, kill, "
-          "exit[:CODE], slow[:FACTOR]; e.g. hang:rank=1:after=30); repeatable")  # fmt: skip
+          "exit[:CODE], slow[:FACTOR]; e.g. hang:rank=1:after=30); repeatable; "
+          "implies --fault-injection")  # fmt: skip
+    flag("--fault-injection", action="store_true",
+          help="allow drills on this run: `watchdogctl inject` (root and the admin group) "
+          "(default: off, so that no command sent to the wrong socket kills a job)")  # fmt: skip
     flag("--straggler-window", type=int, metavar="N",
           help="releases of a rank's scope per straggler window (default 50)")  # fmt: skip
     flag("--straggler-publish-interval", type=float, metavar="SECONDS",
@@ -339,7 +344,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
         print(f"watchdogd run: warning: --rdzv-conf {', '.join(unread)}: "
               "not read by torch's c10d backend, ignored", file=sys.stderr)  # fmt: skip
     try:
-        outcome = run_group(daemon_config(options, config), spec, signals=signals)
+        outcome = run_group(
+            daemon_config(options, config), spec, signals=signals, fault_consent=_FAULT_CONSENT
+        )
     except ConfigError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -75,6 +75,11 @@ class Supervision(Protocol):
         """The timer ``scope_id`` signalled ``pid``: the group's failure report names it."""
         ...
 
+    def injected(self, pid: int) -> bool:
+        """Whether a drill's fault was injected into worker ``pid``: what it causes (an
+        expiry, a straggler flag) is marked as the drill's, so alerts can tell it."""
+        ...
+
     def flight_recorders(self, pid: int) -> list[Recorder]:
         """The NCCL flight recorders of every rank of ``pid``'s group on this node.
 

@@ -132,6 +132,8 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     job_key: str | None = None
     deadlines: list[DeadlineRule] = []
     faults: list[Fault] = []
+    fault_injection: bool = False
+    """Allow drills on the run (``watchdogctl inject``); ``faults`` allow them too."""
     prewarm: list[str] = []
     flight_recorder: bool = False
     event_log_handler: str = "null"
@@ -408,6 +410,6 @@ def daemon_config(options: RunOptions, config: Config) -> Config:
     }
     if options.event_log_handler != "null":
         given["event_log_handler"] = options.event_log_handler
-    if options.faults:  # asking for a drill is the operator's consent
+    if options.faults or options.fault_injection:  # the operator's consent to drills
         given["fault_injection"] = True
     return override(config, "run options", **given) if given else config

@@ -371,6 +371,11 @@ class PythonCommand(msgspec.Struct, frozen=True, kw_only=True):
     target: str
     args: tuple[str, ...]
 
+    def command_line(self) -> list[str]:
+        """The entrypoint it was read from: what a fresh worker's ``ps`` line shows."""
+        module = ["-m"] if self.mode == "module" else []
+        return [self.python, *self.options, *module, self.target, *self.args]
+
 
 def python_command(entrypoint: list[str]) -> PythonCommand:
     """``PYTHON [OPTS] SCRIPT ARGS`` or ``PYTHON [OPTS] -m MODULE ARGS``; ValueError otherwise."""

@@ -20,7 +20,9 @@ if that rank has none running:
   reported undelivered instead.
 
 Each delivery is a ``fault_injected`` event, and the failure it causes is
-reported with "(injected fault: KIND)".
+reported with "(injected fault: KIND)". The worker is marked as drilled
+(``mark_injected``), so that the timer service marks the expiries and
+straggler flags it causes ``injected=True``.
 """
 
 from __future__ import annotations
@@ -67,12 +69,17 @@ class RankProcess(NamedTuple):
 
 class FaultInjector:
     def __init__(
-        self, group: str, events: EventSink, worker_of: Callable[[int], RankProcess | None]
+        self,
+        group: str,
+        events: EventSink,
+        worker_of: Callable[[int], RankProcess | None],
+        mark_injected: Callable[[int], None],
     ) -> None:
         self.group = group
         self.events = events
         self.directory = Path(tempfile.mkdtemp(prefix=f"watchdogd-faults-{group}-"))
         self.worker_of = worker_of
+        self.mark_injected = mark_injected
         self.injected: dict[int, str] = {}
         """Pid -> the kind of fault injected into it (its failure report says so)."""
         self._queue, self._queued = anyio.create_memory_object_stream[Fault](math.inf)
@@ -131,6 +138,7 @@ class FaultInjector:
         except ProcessLookupError:
             return
         self.injected[worker.pid] = fault.kind
+        self.mark_injected(worker.pid)
         self.events.emit(
             "fault_injected",
             group=self.group,

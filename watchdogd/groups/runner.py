@@ -162,7 +162,9 @@ class GroupRunner:
                 self.features.append(spares)
         self.faults: FaultInjection | NoFaultInjection = NoFaultInjection(spec.name)
         if fault_injection:
-            injector = FaultInjector(spec.name, events, self._running_rank)
+            injector = FaultInjector(
+                spec.name, events, self._running_rank, self.index.mark_injected
+            )
             self.faults = FaultInjection(injector, spec.faults)
             self.features.append(self.faults)
         if stragglers is not None:

@@ -1,7 +1,7 @@
 """A warm spare: an interpreter that imported a group's heavy modules and waits to be a worker.
 
 Run as ``PYTHON [-u …] -m watchdogd.groups.spare CONTROL_FD PROCS PARENT
-MODULE…`` by the daemon (:mod:`watchdogd.groups.spares`), with the rank-stable
+MODULE… ROOM`` by the daemon (:mod:`watchdogd.groups.spares`), with the rank-stable
 part of the worker's environment. It first places itself in its own cgroup
 (``PROCS``, ``-`` for none; memory stays charged where a page was first
 touched, so a spare is born where its worker will run) and asks to die with its
@@ -12,7 +12,10 @@ environment, ``argv``, the script or module) comes with the worker's stdout and
 stderr as descriptors. The spare then becomes the worker as ``python script.py
 args`` or ``python -m module args`` would start: ``os.environ``, ``sys.argv``,
 ``sys.path[0]``, a fresh ``__main__`` (``__name__``, ``__file__``), the
-streams; it already leads a session of its own.
+streams; it already leads a session of its own. It also shows the worker's
+command line (``ps``, ``pgrep -f train.py``), written over its own in place
+(:mod:`watchdogd.linux.proctitle`): ``ROOM``, a last argument of blanks,
+made its own line long enough.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Literal
 import msgspec
 
 from watchdogd.linux.enter_cell import enter
+from watchdogd.linux.proctitle import show_command_line
 from watchdogd_client.framing import FrameSplitter, frame
 
 __all__ = ["MAX_ASSIGNMENT", "Assignment", "Failed", "Ready", "Report"]
@@ -47,6 +51,8 @@ class Assignment(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     mode: Literal["script", "module"]
     target: str
     """The script's path (as given) or the module's name."""
+    command_line: list[str]
+    """What ``ps`` shows of the worker started fresh: ``PYTHON [-u …] script args``."""
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -110,7 +116,7 @@ def main() -> None:
     procs, parent = sys.argv[2], int(sys.argv[3])
     enter(None if procs == "-" else procs, parent)
     control = socket.socket(fileno=int(sys.argv[1]))
-    modules = sys.argv[4:]
+    modules = sys.argv[4:-1]  # the last is ROOM
     report: Report = Ready()
     for name in modules:
         try:
@@ -131,6 +137,7 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(assignment.env)
     sys.argv = list(assignment.argv)
+    show_command_line(assignment.command_line)
     try:
         if assignment.mode == "script":
             _run_script(assignment.target)

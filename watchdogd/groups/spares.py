@@ -41,6 +41,7 @@ from watchdogd.linux import aio
 from watchdogd.linux.numa import bound_to
 from watchdogd.linux.priority import worker_priority
 from watchdogd.linux.procs import read_rss
+from watchdogd.linux.proctitle import room
 from watchdogd_client.framing import FrameSplitter, frame
 from watchdogd_client.groups import SpareInfo
 
@@ -161,6 +162,10 @@ class SparePool:
         self._not_before[local_rank] = time.monotonic() + backoff
         self._wanted.set()
 
+    def _command_line(self, local_rank: int) -> list[str]:
+        """What ``ps`` shows of the rank's worker started fresh, and of one from a spare."""
+        return substitute_local_rank(self.command.command_line(), local_rank)
+
     def _start_spare(self, local_rank: int) -> _Spare:
         cell = self.cells(f"spare{local_rank}")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -173,6 +178,7 @@ class SparePool:
             cell.procs or "-",
             str(os.getpid()),
             *self.modules,
+            room(self._command_line(local_rank)),  # to show the worker's line in, later
         ]
         cpus = self.cpus.get(local_rank) if self.cpus is not None else None
         try:
@@ -268,6 +274,7 @@ class SparePool:
                 argv=[self.command.target, *substitute_local_rank(self.command.args, local_rank)],
                 mode=self.command.mode,
                 target=self.command.target,
+                command_line=self._command_line(local_rank),
             )
             data = frame(msgspec.msgpack.encode(assignment))
             # Never waits: a socket buffer holds far more than an assignment, so one

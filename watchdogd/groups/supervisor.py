@@ -26,7 +26,10 @@ from watchdogd.groups.workers import Endpoints, WorkerIndex
 from watchdogd.linux.numa import NodeHardware
 from watchdogd_client.groups import Fault, GroupInfo, GroupSpec, GroupState
 
-__all__ = ["Supervisor"]
+__all__ = ["CONFIG_CONSENT", "Supervisor"]
+
+CONFIG_CONSENT = "set fault_injection = true in the daemon's config"
+"""How a served daemon's operator allows injected faults (``watchdogd run`` has a flag)."""
 
 
 class Supervisor:
@@ -42,7 +45,10 @@ class Supervisor:
         workers: WorkerIndex | None = None,
         stragglers: StragglerShare | None = None,
         runs: GroupRuns | None = None,
+        fault_consent: str = CONFIG_CONSENT,
     ) -> None:
+        """``fault_consent``: how this daemon's operator allows injected faults, which
+        a refusal names (the config's key, or the flag of the command that runs it)."""
         self.events = events
         self.endpoints = endpoints
         self.hardware: Hardware = hardware if hardware is not None else NodeHardware()
@@ -56,6 +62,7 @@ class Supervisor:
         self.containment: Containment | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self.settings = settings
+        self.fault_consent = fault_consent
         self.on_finished: Callable[[GroupRunner, GroupState], None] | None = None
 
     def attach(self, task_group: anyio.abc.TaskGroup) -> None:
@@ -90,7 +97,7 @@ class Supervisor:
             raise GroupError("the supervisor is not running")
         if spec.faults and not self.settings.fault_injection:
             raise GroupError(
-                f"group {spec.name}: faults need fault_injection = true in the daemon's config"
+                f"group {spec.name}: fault injection is disabled: {self.fault_consent}"
             )
         try:
             spec = apply_env_knobs(spec, os.environ)
@@ -135,7 +142,7 @@ class Supervisor:
 
     def inject(self, name: str, fault: Fault) -> None:
         if not self.settings.fault_injection:
-            raise GroupError("fault injection is disabled: set fault_injection = true")
+            raise GroupError(f"fault injection is disabled: {self.fault_consent}")
         self.get(name).inject(fault)
 
     def infos(self) -> list[GroupInfo]:

@@ -85,6 +85,7 @@ class WorkerIndex:
     def __init__(self) -> None:
         self._workers: dict[int, SupervisedWorker] = {}
         self._expired_scopes: dict[int, str] = {}
+        self._injected: set[int] = set()
         # group -> pid -> the flight recorder of that rank, for workers that run one.
         self._recorders: dict[str, dict[int, Recorder]] = {}
         self._progress: dict[str, StepProgress] = {}
@@ -96,6 +97,7 @@ class WorkerIndex:
 
     def remove(self, pid: int) -> None:
         worker = self._workers.pop(pid, None)
+        self._injected.discard(pid)
         recorders = None if worker is None else self._recorders.get(worker.group)
         if recorders is not None:
             recorders.pop(pid, None)
@@ -135,6 +137,14 @@ class WorkerIndex:
     def timer_fired(self, pid: int, scope_id: str) -> None:
         if pid in self._workers:
             self._expired_scopes[pid] = scope_id
+
+    def mark_injected(self, pid: int) -> None:
+        """A drill's fault reached worker ``pid``."""
+        if pid in self._workers:
+            self._injected.add(pid)
+
+    def injected(self, pid: int) -> bool:
+        return pid in self._injected
 
     def flight_recorders(self, pid: int) -> list[Recorder]:
         worker = self._workers.get(pid)

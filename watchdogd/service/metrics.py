@@ -25,9 +25,9 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from watchdogd.core.stragglers import Stragglers
 from watchdogd.linux.procs import RunQueueClock
 from watchdogd.service.stats import Stats
+from watchdogd.service.stragglers import StragglerWatch
 from watchdogd_client.groups import GroupInfo, GroupState
 
 # Each group's state and how many restarts it used (the groups' port for metrics).
@@ -88,7 +88,7 @@ class Metrics(Collector):
         stats: Stats,
         timers: Sized,
         processes: Sized,
-        stragglers: Stragglers,
+        stragglers: StragglerWatch,
         groups: GroupStates,
         infos: GroupInfos,
         loop: LoopMonitor,
@@ -125,7 +125,14 @@ class Metrics(Collector):
             transport, _, op = key.partition(".")
             requests.add_metric([transport, op or "timer"], count)
         yield requests
-        yield CounterMetricFamily("watchdogd_expiries", "Timers that expired.", stats.expired)
+        expiries = CounterMetricFamily(
+            "watchdogd_expiries",
+            "Timers that expired (injected: a drill's fault caused it).",
+            labels=["injected"],
+        )
+        expiries.add_metric(["false"], stats.expired - stats.expired_injected)
+        expiries.add_metric(["true"], stats.expired_injected)
+        yield expiries
         kills = CounterMetricFamily("watchdogd_kills", "Signals sent.", labels=["signal"])
         for signum, count in sorted(stats.signals.items()):
             kills.add_metric([str(signum)], count)
@@ -195,18 +202,26 @@ class Metrics(Collector):
         yield from (left, round_, waiting)
 
     def _stragglers(self) -> Iterator[Metric]:
-        board = self.stragglers
+        watch = self.stragglers
         flagged = GaugeMetricFamily(
             "watchdogd_stragglers",
-            "Worker ranks flagged as stragglers now, per scope (1 each).",
-            labels=["group", "scope", "rank"],
+            "Worker ranks flagged as stragglers now, per scope (1 each; injected: a drill's).",
+            labels=["group", "scope", "rank", "injected"],
         )
-        for key in sorted(board.flagged.copy()):  # one call: the loop may change the set
-            flagged.add_metric([key.job, key.scope, str(key.rank)], 1)
+        drilled = watch.drilled.copy()  # one call each: the loop may change the sets
+        for key in sorted(watch.board.flagged.copy()):
+            injected = "true" if key in drilled else "false"
+            flagged.add_metric([key.job, key.scope, str(key.rank), injected], 1)
         yield flagged
-        yield CounterMetricFamily(
-            "watchdogd_straggler_flags", "Times a rank was flagged as a straggler.", board.flags
+        flags = CounterMetricFamily(
+            "watchdogd_straggler_flags",
+            "Times a rank was flagged as a straggler (injected: a drill caused it).",
+            labels=["injected"],
         )
+        drill_flags = watch.drill_flags
+        flags.add_metric(["false"], watch.board.flags - drill_flags)
+        flags.add_metric(["true"], drill_flags)
+        yield flags
 
 
 class Health(msgspec.Struct):

@@ -18,6 +18,12 @@ Rules
   at a time), each save bounded too, and the ``timer_expired`` event that
   names it is recorded once it is saved: a hung disk delays events, never
   a kill or the loop. Old dumps are pruned after that.
+- A stopped process (``T``, SIGSTOP; ``t``, a tracer's stop) runs no
+  handler and writes no dump: it is signalled at once, its own stacks
+  and trace are not asked for, and its ``timer_expired`` event says
+  ``stopped=True``.
+- The expiry of a worker a drill's fault was injected into is the
+  drill's: its event says ``injected=True`` and it is counted apart.
 - When the process is a worker whose group runs torch's NCCL flight
   recorder, every rank of that group on this node is made to dump its
   trace at the same time (a thread per rank polls for it), and the traces
@@ -78,6 +84,17 @@ Expiry = tuple[Timer, float | str]
 _Captured = tuple[str, str, list[tuple[TraceInfo, bytes]]]
 """A capture not yet saved: the stacks' method and text, and the ranks' traces."""
 _SAVERS = 4
+
+
+def _stopped(handle: ProcessHandle) -> bool:
+    """Whether the process is stopped (``T``) or stopped by its tracer (``t``)."""
+    if handle.exited():
+        return False
+    try:
+        stat = read_stat(handle.pid)
+    except ProcessLookupError:
+        return False
+    return stat.start_time == handle.start_time and stat.state in ("T", "t")
 
 
 def describe(timer: Timer) -> dict[str, Metadata]:
@@ -191,6 +208,8 @@ class Reaper:
         done: list[Expiry] = []
         for timer in expired:
             self.stats.expired += 1
+            if self.supervision.injected(timer.pid):
+                self.stats.expired_injected += 1
             handle = self.processes.process(timer.pid)
             first = timer.signal > 0 and timer.pid not in chosen
             if first:
@@ -206,7 +225,7 @@ class Reaper:
 
     def record(self, done: list[Expiry]) -> None:
         for timer, outcome in done:
-            self._report(timer, outcome, None)
+            self._report(timer, outcome, None, self._marks(timer, stopped=False))
 
     def _wants_dump(self, timer: Timer, first: bool) -> bool:
         # Record-only timers get their dump too: that is often their point.
@@ -222,9 +241,11 @@ class Reaper:
         The save waits for a worker thread (~1 ms, p99 ~2 ms on a 2-core
         node): after the signal, it delays the event, not the kill.
         """
+        stopped = _stopped(handle)
+        marks = self._marks(timer, stopped)  # before its exit takes it out of the index
         self.capturing += 1
         try:
-            captured = await self._capture(timer, handle)
+            captured = await self._capture(timer, handle, stopped)
         finally:
             self.capturing -= 1
         outcome = self._send(timer, handle) if first else _RECORDED
@@ -232,7 +253,7 @@ class Reaper:
         try:
             dump = await self._save(timer, captured)
         finally:  # recorded even if the daemon stops meanwhile
-            self._report(timer, outcome, dump)
+            self._report(timer, outcome, dump, marks)
 
     async def _escalate(self, timer: Timer, handle: ProcessHandle, grace: float) -> None:
         """SIGKILL the process if it outlives its signal by ``grace`` (``kill_grace``)."""
@@ -247,16 +268,23 @@ class Reaper:
                 "process_escalated", pid=timer.pid, scope_id=timer.scope_id, after_s=grace
             )
 
-    async def _capture(self, timer: Timer, handle: ProcessHandle) -> _Captured | None:
-        """Stacks and the group's collective traces, taken together: bounded."""
+    async def _capture(
+        self, timer: Timer, handle: ProcessHandle, stopped: bool
+    ) -> _Captured | None:
+        """Stacks and the group's collective traces, taken together: bounded.
+
+        ``stopped``: the process cannot answer, so only its peers' traces are asked for.
+        """
         config = self.settings
         recorders = self.supervision.flight_recorders(timer.pid)
+        if stopped:
+            recorders = [recorder for recorder in recorders if recorder.pid != timer.pid]
         bound = max(config.stack_dump_timeout, config.flight_recorder_timeout if recorders else 0)
         stacks: list[tuple[str, str]] = []
         traces: list[tuple[TraceInfo, bytes]] = []
         with anyio.move_on_after(bound):
             async with anyio.create_task_group() as tg:
-                if config.stack_dumps != "off":
+                if config.stack_dumps != "off" and not stopped:
                     tg.start_soon(self._capture_stacks, timer, handle, stacks)
                 for recorder in recorders:
                     tg.start_soon(self._collect_trace, recorder, traces)
@@ -390,11 +418,25 @@ class Reaper:
             self._task_group.start_soon(self._escalate, timer, handle, grace)
         return late
 
-    def _report(self, timer: Timer, outcome: float | str, dump: DumpInfo | None) -> None:
+    def _marks(self, timer: Timer, stopped: bool) -> dict[str, Metadata]:
+        """What the event adds: the process was stopped (why it has no dump), and the
+        expiry is a drill's."""
+        marks: dict[str, Metadata] = {"stopped": True} if stopped else {}
+        if self.supervision.injected(timer.pid):
+            marks["injected"] = True
+        return marks
+
+    def _report(
+        self,
+        timer: Timer,
+        outcome: float | str,
+        dump: DumpInfo | None,
+        marks: dict[str, Metadata],
+    ) -> None:
         """Record what :meth:`_send` did (``_RECORDED``: a timer that signals nothing)."""
         if isinstance(outcome, str):
             dumped = {"dump": dump.id if dump else None} if outcome is _RECORDED else {}
-            self.events.emit("timer_expired", **describe(timer), action=outcome, **dumped)
+            self.events.emit("timer_expired", **describe(timer), action=outcome, **dumped, **marks)
             return
         self.events.emit(
             "timer_expired",
@@ -402,4 +444,5 @@ class Reaper:
             action="signalled",
             late_ms=round(outcome * 1000, 3),
             dump=dump.id if dump else None,
+            **marks,
         )

@@ -72,7 +72,8 @@ class ScopeRecorder:
         )
         key = ScopeKey(job, timer.scope_id, rank)
         if self.scope_stats.add(key, uid, held) and job:
-            self.stragglers.sample(key, held)  # only a group's ranks are comparable
+            # Only a group's ranks are comparable.
+            self.stragglers.sample(key, held, injected=self.supervision.injected(timer.pid))
         if self.learned.learners:
             self.learned.observe(LearnKey.of(job, rank, timer.scope_id), attempt, held, rank)
 
@@ -97,7 +98,9 @@ class ScopeRecorder:
             return None
         key = ScopeKey(worker.group, scope_id, worker.rank)
         if key in self.scope_stats.sketches:
-            self.stragglers.sample(key, seconds, device=True)
+            self.stragglers.sample(
+                key, seconds, device=True, injected=self.supervision.injected(pid)
+            )
         return None
 
     # -- the GroupRuns port ----------------------------------------------------------

@@ -23,6 +23,7 @@ class Stats:
         "dropped",
         "escalated",
         "expired",
+        "expired_injected",
         "refusals",
         "refused",
         "requests",
@@ -34,6 +35,8 @@ class Stats:
     def __init__(self) -> None:
         self.expired = 0
         """Timers whose deadline passed."""
+        self.expired_injected = 0
+        """Of those, the timers of workers a drill's fault was injected into."""
         self.signalled = 0
         """Expiries that signalled their process."""
         self.escalated = 0

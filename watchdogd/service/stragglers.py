@@ -4,7 +4,9 @@ The timer service hands every released sample of a worker group's scope
 (and every device time a client reports) to :class:`StragglerWatch`; a
 rank becoming flagged is a ``straggler`` event (at WARNING), its recovery
 a ``straggler_cleared`` one. Nothing here kills or restarts: the event is
-the hook a policy can act on.
+the hook a policy can act on. A flag raised by a worker a drill slowed
+(``watchdogctl inject … slow``) is the drill's: its events say
+``injected=True``, and the metrics label it so.
 
 It is also the worker groups' ``StragglerShare`` port: a group of a
 multi-node job publishes :meth:`summary` through its rendezvous every
@@ -46,6 +48,10 @@ class StragglerWatch:
         """Per job: the other nodes' summaries."""
         self.node_ranks: dict[str, int] = {}
         """Per job: this node's group rank, as of its last summary."""
+        self.drilled: set[ScopeKey] = set()
+        """The flagged ranks' scopes whose flag a drill caused."""
+        self.drill_flags = 0
+        """Of the board's flags, those a drill caused."""
 
     def reconfigure(self, settings: StragglerSettings) -> None:
         self.board.configure(settings.window, settings.threshold, settings.windows)
@@ -68,11 +74,20 @@ class StragglerWatch:
             del self.peers[job]
             self.node_ranks.pop(job, None)
 
-    def sample(self, key: ScopeKey, seconds: float, device: bool = False) -> None:
-        """One duration of a worker's scope whose sketch exists (the caps bound the windows)."""
+    def sample(
+        self, key: ScopeKey, seconds: float, device: bool = False, injected: bool = False
+    ) -> None:
+        """One duration of a worker's scope whose sketch exists (the caps bound the windows);
+        ``injected``: a drill's fault was injected into the worker."""
         change = self.board.add(key, seconds, device)
         if change is None:
             return
+        drill = injected if change.flagged else key in self.drilled
+        if change.flagged and injected:
+            self.drilled.add(key)
+            self.drill_flags += 1
+        else:
+            self.drilled.discard(key)
         level = logging.WARNING if change.flagged else logging.INFO
         name = "straggler" if change.flagged else "straggler_cleared"
         self.events.emit_at(
@@ -86,6 +101,7 @@ class StragglerWatch:
             individual=round(change.individual, 3),
             windows=change.windows,
             clock="device" if device else "host",
+            **({"injected": True} if drill else {}),
         )
 
     def listing(self, seq: int, uid: int | None, job: bool = False) -> p.StragglerList:
