@@ -28,13 +28,21 @@ Rules
 - A complete round with no member running ends: if some member ended and
   none asks again, the round is ``ended`` and the exit barrier is over;
   otherwise (a member restarts, or all died) the next round opens.
-- An open round takes every asking node: those that held a rank first, in
-  their old rank order, so rank 0 and the master stay put while they live;
-  newcomers after them in the order they asked (their record's etcd
-  revision: no clocks). It completes when ``max_nodes`` ask, or
-  ``min_nodes`` ask and the leader says the last-call window passed (it
-  times that on its own monotonic clock). Ranks are that order; rank 0's
-  address and port are the master endpoint.
+- An open round takes every asking node, up to ``max_nodes``: those that
+  held a rank first, newcomers after them in the order they asked (their
+  record's etcd revision: no clocks). It completes when ``max_nodes`` ask,
+  or ``min_nodes`` ask and the leader says the last-call window passed (it
+  times that on its own monotonic clock).
+- Ranks stay where they were (:func:`ranked`), so that sharded checkpoints
+  and data shards stay with their nodes: a node that held rank ``r`` keeps
+  it, and the holes the lost left are filled with newcomers in the order
+  they asked, so a standby takes a lost node's rank. Ranks are contiguous
+  (``0..n-1``): when fewer nodes ask than before, the members whose rank is
+  past the end move into the holes, and nobody else moves. Two claims on one
+  rank (a node cut off and back, whose rank a standby took meanwhile): the
+  one from the later round wins, the other asks as a newcomer. Rank 0's
+  address and port are the master endpoint, so a standby taking rank 0
+  becomes the master.
 - The dead (their key is gone) are in no list: a round never waits for them.
 - Once ``closed``, no round opens or completes (every attempt to join raises
   :class:`RendezvousClosedError`); the exit barrier still ends.
@@ -85,6 +93,7 @@ __all__ = [
     "decide",
     "last_call",
     "membership",
+    "ranked",
     "stop_reason",
     "succession_delay",
     "waiting_count",
@@ -185,11 +194,11 @@ def _asks(record: Record) -> bool:
 
 
 def asking(state: RoundState, records: Mapping[str, Record]) -> list[str]:
-    """The nodes asking for a place in a round after the one running, in rank order."""
+    """The nodes asking for a place in a round after the one running, in the rank
+    order a round of them all would give them (:func:`ranked`)."""
     running = _running(state, records) if state.complete else set()
     asked = [node for node, record in records.items() if _asks(record) and node not in running]
-    asked.sort(key=lambda node: _order(records[node]))
-    return asked
+    return ranked(asked, records, len(asked))
 
 
 def asking_count(state: RoundState, records: Mapping[str, Record]) -> int:
@@ -198,10 +207,40 @@ def asking_count(state: RoundState, records: Mapping[str, Record]) -> int:
     return sum(1 for node, record in records.items() if _asks(record) and node not in running)
 
 
-def _order(record: Record) -> tuple[bool, int, int]:
-    """Former rank holders first, by rank; newcomers after, in the order they asked."""
-    rank = record.value.rank
-    return (rank is None, rank or 0, record.revision)
+def ranked(nodes: Sequence[str], records: Mapping[str, Record], max_nodes: int) -> list[str]:
+    """A round of ``nodes`` (asking, alive), at most ``max_nodes``, in rank order.
+
+    Each rank goes back to the node that held it, the one from the latest
+    round when two claim it; newcomers (and a claim's loser) fill the holes
+    in the order they asked, then the members whose old rank is past the
+    round's end, in rank order: every other node keeps its rank.
+    """
+    claims: dict[int, str] = {}
+    newcomers: list[str] = []
+    # The latest round's claim first: a later claim on the same rank is a newcomer's.
+    for node in sorted(nodes, key=lambda node: _claim_order(records[node])):
+        rank = records[node].value.rank
+        if rank is None or rank in claims:
+            newcomers.append(node)
+        else:
+            claims[rank] = node
+    newcomers.sort(key=lambda node: records[node].revision)
+    size = min(len(nodes), max_nodes)
+    held = sorted(claims.items())[:size]  # members first: a round never drops one for a newcomer
+    members = [claims.get(rank) for rank in range(size)]
+    # Newcomers into the lowest holes (a standby takes the lost node's rank), then
+    # the members whose rank is past the end.
+    moving = newcomers[: size - len(held)] + [node for rank, node in held if rank >= size]
+    holes = (rank for rank, member in enumerate(members) if member is None)
+    for rank, node in zip(holes, moving, strict=True):
+        members[rank] = node
+    return [member for member in members if member is not None]
+
+
+def _claim_order(record: Record) -> tuple[int, int]:
+    """Later rounds' claims first; in one round, the one that asked first."""
+    asks = record.value.asks_after
+    return (-(asks if asks is not None else -1), record.revision)
 
 
 def _complete(
@@ -254,7 +293,8 @@ def decide(
         return state
     count = asking_count(state, records)
     if count >= max_nodes or (last_call_over and count >= min_nodes):
-        return _complete(state, asking(state, records)[:max_nodes], records, restarts)
+        asked = [node for node, record in records.items() if _asks(record)]
+        return _complete(state, ranked(asked, records, max_nodes), records, restarts)
     return state
 
 
