@@ -24,6 +24,7 @@ from watchdogd.core.rdzv_state import (
     decide,
     last_call,
     membership,
+    standing_by,
     stop_reason,
     succession_delay,
     waiting_count,
@@ -278,6 +279,39 @@ def test_survivors_keep_their_ranks_and_only_those_past_the_end_move(
     assert moved == [name for name in survivors if names.index(name) >= size]
     taken = [name for name in state.members if name in joining]
     assert taken == joining[: len(taken)]  # newcomers in the order they asked
+
+
+def test_a_finishing_round_restarts_for_no_newcomer_and_the_standby_is_over() -> None:
+    job = formed("a", "b", min_nodes=1, max_nodes=2)
+    job.ask("c")
+    assert standing_by(job.decide(), 2) and where(job.state, "c", -1) == "waiting"
+    job.end("a")
+    state = job.decide()
+    assert waiting_count(state, 0) == 0  # b finishes its work: a never comes back
+    assert where(state, "c", -1) == "waiting"
+    job.end("b")
+    assert where(job.decide(), "c", -1) == "over"  # the job ended without it
+
+
+def test_a_member_restarting_while_another_ended_still_brings_everyone_back() -> None:
+    job = formed("a", "b", "c", max_nodes=3)
+    job.end("a")
+    job.ask("b")
+    assert waiting_count(job.decide(), 0) == 1  # c must come back for b's new round
+
+
+def test_a_standby_is_one_only_beside_a_full_round_that_lost_nobody() -> None:
+    job = formed("a", "b", min_nodes=1, max_nodes=3)
+    assert not standing_by(job.state, 3)  # room: a waiting node is taken
+    assert standing_by(job.state, 2)
+    job.die("a")
+    assert not standing_by(job.decide(), 2)  # the lost node's rank is coming free
+
+
+def test_a_closed_run_is_over_for_whoever_still_asks() -> None:
+    job = formed("a", "b", max_nodes=2)
+    closed = msgspec.structs.replace(job.state, closed=True)
+    assert where(closed, "c", -1) == where(closed, "a", 0) == "over"
 
 
 def test_a_second_death_in_a_failed_round_is_not_another_write() -> None:

@@ -22,7 +22,9 @@ Rules
   others' keys.
 - ``waiting`` in the document (torch's ``num_nodes_waiting``) is the number
   of waiting nodes a new round would take: 0 while the round is full (the
-  extra nodes are spares, no reason to restart), else every asking node.
+  extra nodes are spares, no reason to restart), or once a member ended and
+  none restarts (the round is finishing: its ended members never come
+  back), else every asking node.
   The leader rewrites it only when it goes from zero to non-zero or back,
   never once per arrival: every node watching the document gets each write.
 - A complete round with no member running ends: if some member ended and
@@ -44,6 +46,12 @@ Rules
   address and port are the master endpoint, so a standby taking rank 0
   becomes the master.
 - The dead (their key is gone) are in no list: a round never waits for them.
+- A node waiting beside a complete round with ``max_nodes`` members is a
+  *standby* (:func:`standing_by`): no reason to restart, so it waits
+  without a join timeout, and takes the rank of the next member lost. When
+  the run closes or ends while it waits, the job is over without it
+  (:func:`where` says ``over``): it leaves, a success, as torch's surplus
+  nodes do (``RendezvousGracefulExitError``).
 - Once ``closed``, no round opens or completes (every attempt to join raises
   :class:`RendezvousClosedError`); the exit barrier still ends.
 
@@ -81,6 +89,7 @@ __all__ = [
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousGracefulExitError",
     "RendezvousTimeoutError",
     "RestartCount",
     "RoundState",
@@ -94,6 +103,7 @@ __all__ = [
     "last_call",
     "membership",
     "ranked",
+    "standing_by",
     "stop_reason",
     "succession_delay",
     "waiting_count",
@@ -118,6 +128,11 @@ class RendezvousTimeoutError(RendezvousError):
 
 class RendezvousConnectionError(RendezvousError):
     """etcd stayed unreachable past the operation's bound."""
+
+
+class RendezvousGracefulExitError(RendezvousClosedError):
+    """The job ended while this node waited for a place (a standby never needed):
+    nothing failed (torch's name)."""
 
 
 class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -172,7 +187,7 @@ class RestartCount(msgspec.Struct, frozen=True, kw_only=True):
     """The last round whose failure was counted: one failure per round."""
 
 
-Where = Literal["running", "waiting", "pending"]
+Where = Literal["running", "waiting", "pending", "over"]
 Change = Literal["waiting", "lost", "fenced", "closed"]
 
 
@@ -257,6 +272,20 @@ def _complete(
     )
 
 
+def _takes_more(
+    state: RoundState, running: set[str], records: Mapping[str, Record], max_nodes: int
+) -> bool:
+    """A new round would take the asking nodes: a member restarts (every one must come
+    back), or the round has room and is not ending (a member that ended never comes
+    back: a newcomer then waits for nothing but the end)."""
+    if len(running) >= max_nodes:
+        return False
+    alive = [records[node].value for node in state.members if node in records]
+    if any(member.ended for member in alive):
+        return len(running) + sum(member.ended for member in alive) < len(alive)
+    return True
+
+
 def decide(
     state: RoundState,
     records: Mapping[str, Record],
@@ -276,7 +305,11 @@ def decide(
         if running:
             if state.closed:
                 return state
-            count = asking_count(state, records) if len(running) < max_nodes else 0
+            count = (
+                asking_count(state, records)
+                if _takes_more(state, running, records, max_nodes)
+                else 0
+            )
             lost = state.lost or tuple(node for node in state.members if node not in records)
             if (count > 0) == (state.waiting > 0) and lost == state.lost:
                 return state
@@ -299,10 +332,20 @@ def decide(
 
 
 def where(state: RoundState, node: str, asks_after: int) -> Where:
-    """Where a node asking for a round newer than ``asks_after`` stands in ``state``."""
+    """Where a node asking for a round newer than ``asks_after`` stands in ``state``.
+
+    ``over``: the run closed, or its last round ended without this node.
+    """
+    if state.closed or (state.ended and node not in state.members):
+        return "over"
     if not state.complete or state.round <= asks_after:
         return "pending"
     return "running" if node in state.members else "waiting"
+
+
+def standing_by(state: RoundState, max_nodes: int) -> bool:
+    """A node waiting beside ``state`` is a standby: the round runs full, and has lost nobody."""
+    return state.complete and not state.lost and len(state.members) >= max_nodes
 
 
 class LastCall(NamedTuple):

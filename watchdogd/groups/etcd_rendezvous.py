@@ -56,8 +56,16 @@ through ``on_event``.
 
 Events (:class:`~watchdogd_client.events.RdzvEvent`, through ``on_event``):
 ``join``, ``round_complete`` (with rank and master endpoint), ``nodes_waiting``,
-``node_lost``, ``closed``, ``timeout``, ``exit_barrier``, ``etcd_unavailable``
-and ``etcd_available``; failures carry their message in ``error_trace``.
+``standby`` (this node waits beside a full round), ``graceful_exit`` (the job
+ended while it stood by), ``node_lost``, ``closed``, ``timeout``,
+``exit_barrier``, ``etcd_unavailable`` and ``etcd_available``; failures
+carry their message in ``error_trace``.
+
+Standbys: a node beyond ``max_nodes`` waits beside the full round (the
+``standby`` property), without the join timeout, and takes the rank of the
+next member lost (:func:`~watchdogd.core.rdzv_state.ranked`). When the run
+closes or ends while it waits, ``next_rendezvous`` raises
+:class:`RendezvousGracefulExitError`: the job did not need it.
 
 A run id is single-use, as in torch: a finished run leaves its closed state
 behind, so a late node learns the job is over rather than starting it anew.
@@ -85,11 +93,13 @@ from watchdogd.core.rdzv_state import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousGracefulExitError,
     RendezvousTimeoutError,
     RoundState,
     asking,
     barrier_over,
     barrier_pending,
+    standing_by,
     stop_reason,
     waiting_count,
     where,
@@ -116,6 +126,7 @@ __all__ = [
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousGracefulExitError",
     "RendezvousResult",
     "RendezvousTimeoutError",
     "parse_endpoints",
@@ -241,6 +252,7 @@ class EtcdRendezvous:
         self._round: int | None = None
         self._members: tuple[str, ...] = ()
         self._lost_self = False
+        self._standby = False
 
     @property
     def node_id(self) -> str:
@@ -325,12 +337,14 @@ class EtcdRendezvous:
         Called first at start and again after every restart: a node still in
         a running round leaves it, which tells the others to come back too.
         ``master_port`` is where this node would serve as rank 0; rank 0's is
-        the job's. Raises :class:`RendezvousClosedError`,
-        :class:`RendezvousTimeoutError`, :class:`RendezvousConnectionError`.
+        the job's. Raises :class:`RendezvousClosedError` (the run was over when
+        called), :class:`RendezvousGracefulExitError` (it ended while this node
+        waited beside it), :class:`RendezvousTimeoutError` (never as a standby),
+        :class:`RendezvousConnectionError`.
         """
         deadline = time.monotonic() + self.join_timeout
         after = -1 if self._round is None else self._round
-        if self._state.closed:
+        if where(self._state, self.node_id, after) == "over":
             raise self._closed()
         self._lease.record = msgspec.structs.replace(
             self._lease.record,
@@ -343,18 +357,51 @@ class EtcdRendezvous:
         self._emit(
             "join", f"{self.node_id} asks for a place in a round after {after}", NodeState.INIT
         )
-        while True:
+        waited = False  # beside a round without this node: the job may end without it
+        try:
+            while True:
+                state = self._state
+                position = where(state, self.node_id, after)
+                if position == "over":
+                    raise self._over() if waited else self._closed()
+                if position == "running":
+                    return self._ran(state)
+                waited = waited or position == "waiting"
+                self._stand_by(position == "waiting" and standing_by(state, self.max_nodes))
+                if self._standby:
+                    await self._news()
+                    # No join timeout while it stands by: it counts from the change.
+                    deadline = time.monotonic() + self.join_timeout
+                    continue
+                now = time.monotonic()
+                if now >= deadline:
+                    raise await self._timed_out(state, position)
+                with anyio.move_on_after(deadline - now):
+                    await self._news()
+        finally:
+            self._stand_by(False)
+
+    @property
+    def standby(self) -> bool:
+        """This node waits as a standby: the round runs full without it (no join timeout)."""
+        return self._standby
+
+    def _stand_by(self, standby: bool) -> None:
+        if standby and not self._standby:
             state = self._state
-            if state.closed:
-                raise self._closed()
-            position = where(state, self.node_id, after)
-            if position == "running":
-                return self._ran(state)
-            now = time.monotonic()
-            if now >= deadline:
-                raise await self._timed_out(state, position)
-            with anyio.move_on_after(deadline - now):
-                await self._news()
+            self._emit(
+                "standby",
+                f"{self.node_id} stands by: round {state.round} runs with "
+                f"{len(state.members)} of max {self.max_nodes} nodes; "
+                "it takes the rank of the next one lost",
+                NodeState.INIT,
+            )
+        self._standby = standby
+
+    def _over(self) -> RendezvousGracefulExitError:
+        message = "the job ended while this node waited for a place: not needed"
+        self._emit("graceful_exit", message, NodeState.SUCCEEDED)
+        return RendezvousGracefulExitError(message)
 
     def _closed(self) -> RendezvousClosedError:
         self._emit("closed", "the rendezvous is closed", NodeState.RUNNING)
