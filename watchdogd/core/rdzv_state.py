@@ -232,7 +232,7 @@ def ranked(nodes: Sequence[str], records: Mapping[str, Record], max_nodes: int) 
     """
     claims: dict[int, str] = {}
     newcomers: list[str] = []
-    # The latest round's claim first: a later claim on the same rank is a newcomer's.
+    # Claims from the latest round first: an older claim on a rank taken asks as a newcomer.
     for node in sorted(nodes, key=lambda node: _claim_order(records[node])):
         rank = records[node].value.rank
         if rank is None or rank in claims:
