@@ -69,10 +69,10 @@ def standing_by(events: Path) -> bool:
 
 
 def start_standby(
-    etcd: EtcdServer, run: str, tmp_path: Path, nnodes: str, *flags: str
+    etcd: EtcdServer, run: str, tmp_path: Path, nnodes: str, *flags: str, name: str = "standby"
 ) -> tuple[subprocess.Popen[str], Path]:
     """A node beyond MAX: it stands by (its event says so) and outwaits its join timeout."""
-    events = tmp_path / "standby.jsonl"
+    events = tmp_path / f"{name}.jsonl"
     standby = node(etcd, run, tmp_path, nnodes, 0, "--rdzv-conf", CONF, "--event-log",
                    str(events), *flags, code=WORKER)  # fmt: skip
     wait_until(lambda: standing_by(events), timeout=30)
@@ -130,8 +130,11 @@ def test_a_standby_takes_the_lost_nodes_rank_and_the_others_keep_theirs(
           f" loss -> its rank at user code {took:.2f}s")  # fmt: skip
     assert took < TTL + 2
     assert "STANDBY" not in ctl(sock, "groups")
+    # The lost node comes back (its agent started again): the next standby.
+    back, _ = start_standby(etcd, run, tmp_path, "4:4", name="back")
+    assert len(ranks_run(tmp_path)) == 8  # nobody restarted for it
     (tmp_path / "out" / "done").touch()
-    assert finish(*members, standby) == [0, 0, 0, 0]
+    assert finish(*members, standby, back) == [0, 0, 0, 0, 0]
 
 
 def test_more_nodes_than_max_never_end_the_job_and_the_standby_leaves_with_0(
