@@ -23,7 +23,7 @@ each a tuple ``(kind, node, monotonic time, *details)``: ``ready``, ``called``
 (``next_rendezvous`` entered), ``joined`` (ours: the join was written),
 ``round`` (round, rank, world size), ``change`` (why the round ended),
 ``error``, ``event`` (ours: its own lease expired, it fenced itself, etcd
-unreachable),
+unreachable, it stands by beside a full round),
 ``counts`` (torch: store calls so far), ``fatal``, ``stopped``.
 Times are ``time.monotonic()``, one clock for every process on the machine.
 """
@@ -203,7 +203,7 @@ async def _ours_node(
     def on_event(event: Any) -> None:
         if event.name == "join":
             outbox.put(("joined", index, time.monotonic()))
-        elif event.name in ("etcd_unavailable", "fenced"):
+        elif event.name in ("etcd_unavailable", "fenced", "standby"):
             outbox.put(("event", index, time.monotonic(), event.name, event.message))
         elif event.name == "node_lost" and event.message.endswith(_OWN_LEASE_EXPIRED):
             # node_lost also reports a lost peer; this one is the node's own lease

@@ -18,7 +18,11 @@ count N (``min_nodes`` N-1, ``max_nodes`` N, the same last call for both):
    errors): the bench tells torch's survivors at the kill, the best case.
    From the kill to the round of N-1 complete on each survivor;
 4. scale-up: a new node (process already started) joins; from its arrival
-   (including its registration) to the round of N complete on every node.
+   (including its registration) to the round of N complete on every node;
+5. standby (ours): one more node joins the full round and stands by; a
+   member (the newcomer of 4) is SIGKILLed; from the kill to the round of N
+   complete again on every node, the standby in the lost member's rank and
+   every other node in its own (checked).
 
 A phase that does not complete within ``--timeout`` stops that backend
 there; larger counts of that backend are not run. Goals (issue 13): 1,024
@@ -337,7 +341,8 @@ class _Worker:
 
 class Cluster:
     """The node processes of one run: node 0 alone (the one killed), 1…N-1 split over
-    ``procs``, node N alone and deferred (the newcomer); everything they reported."""
+    ``procs``, node N alone and deferred (the newcomer), node N+1 alone and deferred
+    (the standby); everything they reported."""
 
     def __init__(self, settings: NodeSettings, nodes: int, procs: int) -> None:
         self.nodes = nodes
@@ -350,12 +355,14 @@ class Cluster:
             groups.append((start, size, False))
             start += size
         groups.append((nodes, 1, True))
-        self.victim, self.newcomer = 0, len(groups) - 1
+        groups.append((nodes + 1, 1, True))
+        self.victim, self.newcomer, self.standby = 0, len(groups) - 2, len(groups) - 1
         self._queue: queue.Queue[tuple[int, Report]] = queue.Queue()
         self.reports: list[Report] = []
         self.workers: list[_Worker] = []
         self._child_conns: list[Any] = []
-        self.newcomer_joined = False
+        self.joined: set[int] = set()
+        """The deferred node processes told to join."""
         self.started = False
         for first, count, deferred in groups:
             conn, child = CTX.Pipe()
@@ -432,7 +439,7 @@ class Cluster:
                 self.workers[index].conn.send(command)
 
     def running(self) -> list[int]:
-        """The live node processes, the newcomer's included once it has joined."""
+        """The live node processes (the deferred ones whether or not they joined)."""
         return [i for i, w in enumerate(self.workers) if w.alive]
 
     def kill(self, index: int) -> float:
@@ -463,6 +470,11 @@ class Cluster:
                 raise NodeFailedError(f"node {report[1]}: {report[3]}")
         return found
 
+    def ranks(self, nodes: set[int], before: float) -> dict[int, int]:
+        """Each node's rank in the last round it reported before ``before``."""
+        return {r[1]: r[4] for r in self.reports
+                if r[0] == "round" and r[1] in nodes and r[2] < before}  # fmt: skip
+
     def await_round(
         self, nodes: set[int], world: int, since: float, timeout: float
     ) -> dict[int, float]:
@@ -481,7 +493,7 @@ class Cluster:
         asked = time.monotonic()
         if not self.started:
             return {}
-        live = [i for i in self.running() if i != self.newcomer or self.newcomer_joined]
+        live = [i for i in self.running() if not self.workers[i].deferred or i in self.joined]
         self.send(live, ("counts",))
 
         def answered() -> dict[int, Report]:
@@ -544,6 +556,8 @@ class Result:
     loss: Timing | None = None
     loss_noticed_max_s: float = math.nan
     scale_up: Timing | None = None
+    standby: Timing | None = None
+    """A member lost -> the round of N again, a standby in its place (ours only)."""
     steady: Traffic | None = None
     store_cpu_pct: float = math.nan
     store_rss_mib: float = math.nan
@@ -577,7 +591,7 @@ def run_one(backend: str, nodes: int, args: argparse.Namespace, work: Path) -> R
             monitor_interval=args.monitor_interval, torch_shared_store=args.torch_shared_store,
         )  # fmt: skip
         cluster = Cluster(settings, nodes, args.procs)
-        everyone = [i for i in range(len(cluster.workers)) if i != cluster.newcomer]
+        everyone = [i for i, worker in enumerate(cluster.workers) if not worker.deferred]
 
         def sample() -> Sample:
             assert cluster is not None
@@ -661,12 +675,34 @@ def run_one(backend: str, nodes: int, args: argparse.Namespace, work: Path) -> R
         with measured("scale-up", nodes):
             arrived = time.monotonic()
             cluster.send([cluster.newcomer], ("join", arrived))
-            cluster.newcomer_joined = True
+            cluster.joined.add(cluster.newcomer)
             done = cluster.await_round(survivors | {nodes}, nodes, arrived, args.timeout)
         result.scale_up = Timing.of(t - arrived for t in done.values())
+        progress(f"  {backend} {nodes}: scaled up in {result.scale_up.max:.2f}s")
+
+        # 5. a standby takes a lost member's place (ours: torch's surplus nodes keep
+        # no rank, and its rounds stop short of this at scale)
+        if backend == "ours":
+            with measured("standby", nodes):
+                standing = survivors | {nodes}
+                cluster.send([cluster.standby], ("join", time.monotonic()))
+                cluster.joined.add(cluster.standby)
+                cluster.wait(lambda: cluster.first("event", {nodes + 1}, 0) != {},
+                             args.timeout, "the standby standing by")  # fmt: skip
+                killed = cluster.kill(cluster.newcomer)  # a member alone in its process
+                before = cluster.ranks(standing, killed)
+                remaining = (standing - {nodes}) | {nodes + 1}
+                done = cluster.await_round(remaining, nodes, killed, args.timeout)
+            after = cluster.ranks(remaining, math.inf)
+            if after[nodes + 1] != before[nodes] or any(
+                after[node] != before[node] for node in remaining - {nodes + 1}
+            ):
+                raise NodeFailedError(f"ranks moved: {before} -> {after}")
+            result.standby = Timing.of(t - killed for t in done.values())
+            progress(f"  {backend} {nodes}: a standby in the lost member's rank "
+                     f"{before[nodes]} in {result.standby.max:.2f}s")  # fmt: skip
         result.store_peak_rss_mib = _hwm_bytes(store.pid) / 2**20
         result.completed = True
-        progress(f"  {backend} {nodes}: scaled up in {result.scale_up.max:.2f}s")
     except (PhaseTimeoutError, NodeFailedError) as e:
         result.stopped_at = phase
         result.error = str(e).splitlines()[0] if isinstance(e, PhaseTimeoutError) else str(e)
@@ -719,6 +755,8 @@ def report(results: list[Result], args: argparse.Namespace, header: str) -> None
     row("  loss noticed by all (watch)", (_cell(r.loss_noticed_max_s) for r in results))
     row("arrival -> scale-up done, p50", (timing(r.scale_up, "p50") for r in results))
     row("arrival -> scale-up done, max", (timing(r.scale_up, "max") for r in results))
+    row("member lost -> standby in its rank, p50", (timing(r.standby, "p50") for r in results))
+    row("member lost -> standby in its rank, max", (timing(r.standby, "max") for r in results))
     row("steady: requests/node/s", (_cell(r.steady and r.steady.total, "") for r in results))
     row("steady: bytes/node/s", (_cell(r.steady and r.steady.bytes, "", 0) for r in results))
     row("steady: store CPU, % of a core", (_cell(r.store_cpu_pct, "%", 1) for r in results))
@@ -733,7 +771,7 @@ def report(results: list[Result], args: argparse.Namespace, header: str) -> None
     print("KiB in and out per node; for the whole job: state-document writes, the store's CPU,")
     print("reports from the nodes (rounds returned, rounds ended by reason, errors; ours: its")
     print("own lease expired under a live node, it fenced itself, calls timed out), client CPU:")
-    phases = ("registration", "formation", "node loss", "scale-up")
+    phases = ("registration", "formation", "node loss", "scale-up", "standby")
     ops = sorted({op for r in results for t in r.phases.values() for op in t.requests})
     row("", columns)
     for phase in phases:
@@ -928,7 +966,7 @@ def main() -> int:
             f"{args.lease_ttl} s; torch {_version('torch')} c10d on a TCPStore, heartbeat "
             f"{args.torch_keep_alive} s x {args.torch_keep_alive_attempts}, agent poll "
             f"{args.monitor_interval:g} s; last call {args.last_call} s for both; min N-1, max N; "
-            f"{args.procs} node processes (+ the killed node's and the newcomer's); "
+            f"{args.procs} node processes (+ the killed node's, the newcomer's and the standby's); "
             f"{os.cpu_count()} CPUs, {platform.python_version()}; phase timeout "
             f"{args.timeout:g} s; steady window {args.steady:g} s"
         )

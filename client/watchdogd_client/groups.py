@@ -209,6 +209,9 @@ class RendezvousInfo(msgspec.Struct, kw_only=True):
     """Wall-clock time this node fenced itself, cut off from the rendezvous (None: not)."""
     leader: bool = False
     """This node decides the job's rounds (etcd: it holds the ``leader`` key)."""
+    standby: bool = False
+    """This node waits beside a full round, to take the rank of the next node lost
+    (``round``, ``group_rank``: its last round's, if it ran one)."""
 
 
 class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

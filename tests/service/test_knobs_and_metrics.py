@@ -17,9 +17,14 @@ from typing import Any
 
 import anyio
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import watchdogd_client as wd
+from watchdogd.core.stragglers import Stragglers
+from watchdogd.service.metrics import LoopMonitor, Metrics
+from watchdogd.service.stats import Stats
+from watchdogd_client.groups import GroupInfo, GroupState, RendezvousInfo
 
 from ..conftest import python, running_daemon, wait_for, wait_until
 
@@ -213,3 +218,20 @@ async def test_healthz_goes_503_while_the_loop_is_blocked(short_dir: Path) -> No
         assert health["status"] == "stalled" and health["lag_s"] >= 0.3
         await wait_for(lambda: d.loop_monitor.stalled_for() == 0)
         assert (await anyio.to_thread.run_sync(get, url))[0] == 200
+
+
+def test_a_standby_node_shows_in_the_metrics() -> None:
+    def group(name: str, standby: bool) -> GroupInfo:
+        rdzv = RendezvousInfo(backend="etcd", run_id="r", round=0, group_rank=-1,
+                              group_world_size=0, standby=standby)  # fmt: skip
+        return GroupInfo(name=name, state=GroupState.HEALTHY, attempt=0, restarts_left=0,
+                         workers=[], rendezvous=rdzv, started_at=0.0)  # fmt: skip
+
+    infos = [group("waits", True), group("runs", False)]
+    metrics = Metrics(Stats(), [], [], Stragglers(), lambda: [], lambda: infos, LoopMonitor())
+    (family,) = (
+        f
+        for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        if f.name == "watchdogd_rendezvous_standby"
+    )
+    assert {s.labels["group"]: s.value for s in family.samples} == {"waits": 1.0, "runs": 0.0}

@@ -269,3 +269,45 @@ def test_straggler_summaries_go_through_the_store_both_ways(tmp_path: Path) -> N
     assert seen[1]["uid"] == -1 and seen[1]["hostname"]
     (job.out / "stop").touch()
     assert finish(*nodes) == [0, 0], [p.stderr.read() if p.stderr else "" for p in nodes]
+
+
+# Each rank joins the world, reports, and runs until ``done`` exists.
+UNTIL_DONE = """
+import json, os, sys, time
+import torch.distributed as dist
+out = sys.argv[1]
+dist.init_process_group("gloo")
+report = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")}
+with open(os.path.join(out, f"{os.getpid()}.json"), "w") as f:
+    json.dump(report, f)
+while not os.path.exists(os.path.join(out, "done")):
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("launcher", [WATCHDOGD, TORCHRUN], ids=["watchdogd", "torchrun"])
+def test_a_node_beyond_max_waits_and_leaves_with_0_as_torchruns_does(
+    tmp_path: Path, launcher: list[str]
+) -> None:
+    job = Job(tmp_path, code=UNTIL_DONE)
+    members = [job.node(WATCHDOGD, "2:2", 0, conf=CONF + f",is_host={host}")
+               for host in ("true", "false")]  # fmt: skip
+    wait_until(lambda: len(job.reports()) == 2, timeout=90)
+    surplus = job.node(launcher, "2:2", 0, conf=CONF + ",is_host=false")
+    time.sleep(8)  # torch's redundancy list: it heartbeats, and restarts nobody
+    assert surplus.poll() is None
+    assert len(job.reports()) == 2
+    (job.out / "done").touch()
+    codes = finish(*members, surplus)
+    said = surplus.stderr.read() if surplus.stderr else ""
+    assert codes[:2] == [0, 0]
+    assert sorted(r["TORCHELASTIC_RESTART_COUNT"] for r in job.reports()) == ["0", "0"]
+    if launcher is WATCHDOGD:
+        assert codes[2] == 0, said  # the job ended without it: a success
+        assert "rdzv_graceful_exit" in said
+    else:
+        # torch 2.13's agent leaves with RendezvousGracefulExitError too (its run()
+        # returns no result), but its launch_agent then reads that missing result:
+        # exit 1 on an AttributeError, where a torch without the bug exits 0.
+        assert codes[2] == 0 or "'NoneType' object has no attribute 'is_failed'" in said, said

@@ -44,6 +44,15 @@ def test_success_when_every_worker_exits_zero() -> None:
     assert actions[-1] == Finished(S.SUCCEEDED)
 
 
+def test_a_standby_the_job_ended_without_succeeds_with_nobody_to_stop() -> None:
+    m = GroupMachine(nproc=2, max_restarts=1, shutdown_timeout=5)
+    m.start()  # spawned: the attempt waits for its place in the job
+    actions = m.not_needed("the job ended without it")
+    assert moves(actions) == [(S.HEALTHY, S.SUCCEEDED)]
+    assert actions[-1] == Finished(S.SUCCEEDED) and m.next_wake() is None
+    assert m.stop(now=1) == [] and m.not_needed("again") == []
+
+
 def test_failure_stops_the_others_then_restarts_under_max_restarts() -> None:
     m = GroupMachine(nproc=3, max_restarts=1, shutdown_timeout=5)
     m.start()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import hypothesis.strategies as st
 import msgspec
 import pytest
+from hypothesis import given
 
 from watchdogd.core.rdzv_state import (
     LastCall,
@@ -22,6 +24,7 @@ from watchdogd.core.rdzv_state import (
     decide,
     last_call,
     membership,
+    standing_by,
     stop_reason,
     succession_delay,
     waiting_count,
@@ -153,7 +156,7 @@ def test_the_next_round_opens_when_every_runner_came_back_and_keeps_their_ranks(
     assert (state.master_addr, state.master_port, state.waiting) == ("a.x", 1000, 0)
 
 
-def test_dead_nodes_are_dropped_and_the_survivors_keep_their_order() -> None:
+def test_dead_nodes_are_dropped_and_the_last_rank_moves_into_the_hole() -> None:
     job = formed("a", "b", "c", max_nodes=3)
     job.die("a")
     state = job.decide()
@@ -163,9 +166,152 @@ def test_dead_nodes_are_dropped_and_the_survivors_keep_their_order() -> None:
     job.ask("b")
     state = job.decide()
     assert not state.complete and state.round == 1  # opened, waiting out the last call
-    assert asking(state, job.records) == ["b", "c"]  # old rank order, not asking order
+    assert asking(state, job.records) == ["c", "b"]  # b keeps rank 1, c fills rank 0
     state = job.decide(last_call_over=True)
-    assert state.members == ("b", "c") and state.master_addr == "b.x"
+    assert state.members == ("c", "b") and state.master_addr == "c.x"
+
+
+def standby_took(lost: str) -> RoundState:
+    """Four nodes and a standby ``e`` (max 4); ``lost`` dies, the survivors ask again."""
+    job = formed("a", "b", "c", "d", min_nodes=4, max_nodes=4)
+    job.ask("e")
+    assert waiting_count(job.decide(), 0) == 0  # a standby: no reason to restart
+    job.die(lost)
+    assert job.decide().lost == (lost,)
+    for name in reversed("abcd"):  # the survivors come back in any order
+        if name != lost:
+            job.ask(name)
+    state = job.decide()  # four ask: max, complete at once
+    assert state.complete and state.round == 1
+    return state
+
+
+def test_a_standby_takes_a_lost_middle_ranks_place_and_the_others_keep_theirs() -> None:
+    assert standby_took("b").members == ("a", "e", "c", "d")
+
+
+def test_a_standby_takes_rank_zero_and_becomes_the_master() -> None:
+    state = standby_took("a")
+    assert state.members == ("e", "b", "c", "d")
+    assert state.master_addr == "e.x"
+
+
+def test_standbys_fill_the_lost_ranks_lowest_first_in_the_order_they_asked() -> None:
+    job = formed("a", "b", "c", "d", max_nodes=4)
+    job.ask("f")
+    job.ask("e")
+    job.die("d")
+    job.die("b")
+    job.decide()
+    job.ask("c")
+    job.ask("a")
+    assert job.decide().members == ("a", "f", "c", "e")
+
+
+def test_fewer_nodes_than_before_move_only_the_ranks_past_the_end() -> None:
+    job = formed("a", "b", "c", "d", "e", min_nodes=2, max_nodes=5)
+    job.die("b")
+    job.die("c")
+    job.decide()
+    for name in "ade":
+        job.ask(name)
+    # Ranks stay contiguous: d and e (3, 4) move into 1 and 2; a keeps 0.
+    assert job.decide(last_call_over=True).members == ("a", "d", "e")
+
+
+def test_a_lost_node_back_under_a_new_id_is_the_next_standby() -> None:
+    job = formed("a", "b", "c", "d", max_nodes=4)
+    job.ask("e")
+    job.die("b")
+    job.decide()
+    for name in "acd":
+        job.ask(name)
+    assert job.decide().members == ("a", "e", "c", "d")
+    # b was cut off, and comes back registered anew: still claiming its rank of round 0.
+    job.put("b2", port=1000, asks_after=0, rank=1, ended=False)
+    state = job.decide()
+    assert where(state, "b2", 0) == "waiting" and waiting_count(state, 1) == 0
+    job.die("c")
+    job.decide()
+    for name in "ade":
+        job.ask(name)
+    # e's claim on rank 1 is from round 1, b2's from round 0: b2 takes the hole c left.
+    assert job.decide().members == ("a", "e", "b2", "d")
+
+
+def test_a_round_never_drops_a_member_for_a_newcomer() -> None:
+    job = formed("a", "b", "c", min_nodes=1, max_nodes=3)
+    job.ask("n1")
+    job.ask("n2")
+    job.ask("c")  # c restarts; the others follow: the new round has five asking for three
+    job.ask("b")
+    job.ask("a")
+    assert job.decide().members == ("a", "b", "c")
+
+
+@given(
+    before=st.integers(1, 8),
+    lost=st.sets(st.integers(0, 7)),
+    newcomers=st.integers(0, 4),
+    extra=st.integers(0, 3),
+)
+def test_survivors_keep_their_ranks_and_only_those_past_the_end_move(
+    before: int, lost: set[int], newcomers: int, extra: int
+) -> None:
+    names = [f"n{rank}" for rank in range(before)]
+    max_nodes = before + extra
+    job = formed(*names, min_nodes=1, max_nodes=max_nodes)
+    joining = [f"new{index}" for index in range(newcomers)]
+    for name in joining:
+        job.ask(name)
+    survivors = [name for rank, name in enumerate(names) if rank not in lost]
+    for rank in sorted(lost & set(range(before))):
+        job.die(names[rank])
+    job.decide()
+    for name in survivors:
+        job.ask(name)
+    if not survivors and not joining:
+        return
+    state = job.decide(last_call_over=True)
+    size = min(len(survivors) + len(joining), max_nodes)
+    assert len(state.members) == size and set(survivors) <= set(state.members)
+    moved = [name for name in survivors if state.members.index(name) != names.index(name)]
+    assert moved == [name for name in survivors if names.index(name) >= size]
+    taken = [name for name in state.members if name in joining]
+    assert taken == joining[: len(taken)]  # newcomers in the order they asked
+
+
+def test_a_finishing_round_restarts_for_no_newcomer_and_the_standby_is_over() -> None:
+    job = formed("a", "b", min_nodes=1, max_nodes=2)
+    job.ask("c")
+    assert standing_by(job.decide(), 2) and where(job.state, "c", -1) == "waiting"
+    job.end("a")
+    state = job.decide()
+    assert waiting_count(state, 0) == 0  # b finishes its work: a never comes back
+    assert where(state, "c", -1) == "waiting"
+    job.end("b")
+    assert where(job.decide(), "c", -1) == "over"  # the job ended without it
+
+
+def test_a_member_restarting_while_another_ended_still_brings_everyone_back() -> None:
+    job = formed("a", "b", "c", max_nodes=3)
+    job.end("a")
+    job.ask("b")
+    assert waiting_count(job.decide(), 0) == 1  # c must come back for b's new round
+
+
+def test_a_standby_is_one_only_beside_a_full_round_that_lost_nobody() -> None:
+    job = formed("a", "b", min_nodes=1, max_nodes=3)
+    assert not standing_by(job.state, 3)  # room: a waiting node is taken
+    assert standing_by(job.state, 2)
+    job.die("a")
+    assert not standing_by(job.decide(), 2)  # the lost node's rank is coming free
+
+
+def test_a_closed_run_is_over_for_whoever_still_asks() -> None:
+    job = formed("a", "b", max_nodes=2)
+    closed = msgspec.structs.replace(job.state, closed=True)
+    assert where(closed, "c", -1) == where(closed, "a", 0) == "over"
 
 
 def test_a_second_death_in_a_failed_round_is_not_another_write() -> None:

@@ -37,7 +37,7 @@ from watchdogd_client import (
 )
 from watchdogd_client import protocol as p
 from watchdogd_client.events import Event
-from watchdogd_client.groups import GroupSpec
+from watchdogd_client.groups import GroupInfo, GroupSpec
 
 __all__ = ["main"]
 
@@ -171,10 +171,14 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
     for group in client.list_groups():
         rdzv = group.rendezvous
         if rdzv is not None:
+            place = (
+                "STANDBY: waits beside the full round, to take the rank of the next node lost"
+                if rdzv.standby
+                else f"rank {rdzv.group_rank} of {rdzv.group_world_size} nodes"
+            )
             print(
                 f"rendezvous {group.name}: {rdzv.backend}, run {rdzv.run_id}, round {rdzv.round}, "
-                f"rank {rdzv.group_rank} of {rdzv.group_world_size} nodes, "
-                f"{rdzv.waiting} waiting"
+                f"{place}, {rdzv.waiting} waiting"
                 + (", leads the rounds" if rdzv.leader else "")
                 + _fenced(rdzv.fenced_since)
             )
@@ -229,11 +233,10 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
             for s in group.spares
         )
         failure = group.last_failure
-        fenced = group.rendezvous is not None and group.rendezvous.fenced_since is not None
         rows.append(
             (
                 group.name,
-                "FENCED" if fenced else group.state.value,
+                _shown_state(group),
                 group.attempt,
                 group.restarts_left,
                 workers,
@@ -245,6 +248,16 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
     headers = ["GROUP", "STATE", "ATTEMPT", "RESTARTS LEFT", "RANK:PID", "SPARES (RANK:PID RSS)",
                "LAST FAILURE", "STRAGGLERS"]  # fmt: skip
     print(tabulate(rows, headers=headers))
+
+
+def _shown_state(group: GroupInfo) -> str:
+    """The group's state, or where its rendezvous keeps it (fenced, standing by)."""
+    rdzv = group.rendezvous
+    if rdzv is not None and rdzv.fenced_since is not None:
+        return "FENCED"
+    if rdzv is not None and rdzv.standby:
+        return "STANDBY"
+    return group.state.value
 
 
 def cmd_submit(client: SocketTimerClient, args: argparse.Namespace) -> None:

@@ -225,6 +225,13 @@ class GroupMachine:
         self._kill_at = None
         return [self._move(S.FAILED, reason), Finished(S.FAILED)]  # any -> FAILED
 
+    def not_needed(self, reason: str) -> list[Action]:
+        """The job ended while this node waited for a place (a standby): no worker ran."""
+        if self.state is not S.HEALTHY:
+            return []
+        self.alive = set()  # spawned, but the attempt never started: nobody to stop
+        return [self._move(S.SUCCEEDED, reason), Finished(S.SUCCEEDED)]  # HEALTHY -> SUCCEEDED
+
     def stop(self, now: float, reason: str = "stop requested") -> list[Action]:
         if self.state is S.HEALTHY:
             return self._stop_workers(now, "stop", reason)

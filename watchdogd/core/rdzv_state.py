@@ -22,20 +22,36 @@ Rules
   others' keys.
 - ``waiting`` in the document (torch's ``num_nodes_waiting``) is the number
   of waiting nodes a new round would take: 0 while the round is full (the
-  extra nodes are spares, no reason to restart), else every asking node.
+  extra nodes are spares, no reason to restart), or once a member ended and
+  none restarts (the round is finishing: its ended members never come
+  back), else every asking node.
   The leader rewrites it only when it goes from zero to non-zero or back,
   never once per arrival: every node watching the document gets each write.
 - A complete round with no member running ends: if some member ended and
   none asks again, the round is ``ended`` and the exit barrier is over;
   otherwise (a member restarts, or all died) the next round opens.
-- An open round takes every asking node: those that held a rank first, in
-  their old rank order, so rank 0 and the master stay put while they live;
-  newcomers after them in the order they asked (their record's etcd
-  revision: no clocks). It completes when ``max_nodes`` ask, or
-  ``min_nodes`` ask and the leader says the last-call window passed (it
-  times that on its own monotonic clock). Ranks are that order; rank 0's
-  address and port are the master endpoint.
+- An open round takes every asking node, up to ``max_nodes``: those that
+  held a rank first, newcomers after them in the order they asked (their
+  record's etcd revision: no clocks). It completes when ``max_nodes`` ask,
+  or ``min_nodes`` ask and the leader says the last-call window passed (it
+  times that on its own monotonic clock).
+- Ranks stay where they were (:func:`ranked`), so that sharded checkpoints
+  and data shards stay with their nodes: a node that held rank ``r`` keeps
+  it, and the holes the lost left are filled with newcomers in the order
+  they asked, so a standby takes a lost node's rank. Ranks are contiguous
+  (``0..n-1``): when fewer nodes ask than before, the members whose rank is
+  past the end move into the holes, and nobody else moves. Two claims on one
+  rank (a node cut off and back, whose rank a standby took meanwhile): the
+  one from the later round wins, the other asks as a newcomer. Rank 0's
+  address and port are the master endpoint, so a standby taking rank 0
+  becomes the master.
 - The dead (their key is gone) are in no list: a round never waits for them.
+- A node waiting beside a complete round with ``max_nodes`` members is a
+  *standby* (:func:`standing_by`): no reason to restart, so it waits
+  without a join timeout, and takes the rank of the next member lost. When
+  the run closes or ends while it waits, the job is over without it
+  (:func:`where` says ``over``): it leaves, a success, as torch's surplus
+  nodes do (``RendezvousGracefulExitError``).
 - Once ``closed``, no round opens or completes (every attempt to join raises
   :class:`RendezvousClosedError`); the exit barrier still ends.
 
@@ -73,6 +89,7 @@ __all__ = [
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousGracefulExitError",
     "RendezvousTimeoutError",
     "RestartCount",
     "RoundState",
@@ -85,6 +102,8 @@ __all__ = [
     "decide",
     "last_call",
     "membership",
+    "ranked",
+    "standing_by",
     "stop_reason",
     "succession_delay",
     "waiting_count",
@@ -109,6 +128,11 @@ class RendezvousTimeoutError(RendezvousError):
 
 class RendezvousConnectionError(RendezvousError):
     """etcd stayed unreachable past the operation's bound."""
+
+
+class RendezvousGracefulExitError(RendezvousClosedError):
+    """The job ended while this node waited for a place (a standby never needed):
+    nothing failed (torch's name)."""
 
 
 class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,7 +187,7 @@ class RestartCount(msgspec.Struct, frozen=True, kw_only=True):
     """The last round whose failure was counted: one failure per round."""
 
 
-Where = Literal["running", "waiting", "pending"]
+Where = Literal["running", "waiting", "pending", "over"]
 Change = Literal["waiting", "lost", "fenced", "closed"]
 
 
@@ -185,11 +209,11 @@ def _asks(record: Record) -> bool:
 
 
 def asking(state: RoundState, records: Mapping[str, Record]) -> list[str]:
-    """The nodes asking for a place in a round after the one running, in rank order."""
+    """The nodes asking for a place in a round after the one running, in the rank
+    order a round of them all would give them (:func:`ranked`)."""
     running = _running(state, records) if state.complete else set()
     asked = [node for node, record in records.items() if _asks(record) and node not in running]
-    asked.sort(key=lambda node: _order(records[node]))
-    return asked
+    return ranked(asked, records, len(asked))
 
 
 def asking_count(state: RoundState, records: Mapping[str, Record]) -> int:
@@ -198,10 +222,40 @@ def asking_count(state: RoundState, records: Mapping[str, Record]) -> int:
     return sum(1 for node, record in records.items() if _asks(record) and node not in running)
 
 
-def _order(record: Record) -> tuple[bool, int, int]:
-    """Former rank holders first, by rank; newcomers after, in the order they asked."""
-    rank = record.value.rank
-    return (rank is None, rank or 0, record.revision)
+def ranked(nodes: Sequence[str], records: Mapping[str, Record], max_nodes: int) -> list[str]:
+    """A round of ``nodes`` (asking, alive), at most ``max_nodes``, in rank order.
+
+    Each rank goes back to the node that held it, the one from the latest
+    round when two claim it; newcomers (and a claim's loser) fill the holes
+    in the order they asked, then the members whose old rank is past the
+    round's end, in rank order: every other node keeps its rank.
+    """
+    claims: dict[int, str] = {}
+    newcomers: list[str] = []
+    # Claims from the latest round first: an older claim on a rank taken asks as a newcomer.
+    for node in sorted(nodes, key=lambda node: _claim_order(records[node])):
+        rank = records[node].value.rank
+        if rank is None or rank in claims:
+            newcomers.append(node)
+        else:
+            claims[rank] = node
+    newcomers.sort(key=lambda node: records[node].revision)
+    size = min(len(nodes), max_nodes)
+    held = sorted(claims.items())[:size]  # members first: a round never drops one for a newcomer
+    members = [claims.get(rank) for rank in range(size)]
+    # Newcomers into the lowest holes (a standby takes the lost node's rank), then
+    # the members whose rank is past the end.
+    moving = newcomers[: size - len(held)] + [node for rank, node in held if rank >= size]
+    holes = (rank for rank, member in enumerate(members) if member is None)
+    for rank, node in zip(holes, moving, strict=True):
+        members[rank] = node
+    return [member for member in members if member is not None]
+
+
+def _claim_order(record: Record) -> tuple[int, int]:
+    """Later rounds' claims first; in one round, the one that asked first."""
+    asks = record.value.asks_after
+    return (-(asks if asks is not None else -1), record.revision)
 
 
 def _complete(
@@ -216,6 +270,20 @@ def _complete(
         master_port=master.port,
         restarts=restarts,
     )
+
+
+def _takes_more(
+    state: RoundState, running: set[str], records: Mapping[str, Record], max_nodes: int
+) -> bool:
+    """A new round would take the asking nodes: a member restarts (every one must come
+    back), or the round has room and is not ending (a member that ended never comes
+    back: a newcomer then waits for nothing but the end)."""
+    if len(running) >= max_nodes:
+        return False
+    alive = [records[node].value for node in state.members if node in records]
+    if any(member.ended for member in alive):
+        return len(running) + sum(member.ended for member in alive) < len(alive)
+    return True
 
 
 def decide(
@@ -237,7 +305,11 @@ def decide(
         if running:
             if state.closed:
                 return state
-            count = asking_count(state, records) if len(running) < max_nodes else 0
+            count = (
+                asking_count(state, records)
+                if _takes_more(state, running, records, max_nodes)
+                else 0
+            )
             lost = state.lost or tuple(node for node in state.members if node not in records)
             if (count > 0) == (state.waiting > 0) and lost == state.lost:
                 return state
@@ -254,15 +326,26 @@ def decide(
         return state
     count = asking_count(state, records)
     if count >= max_nodes or (last_call_over and count >= min_nodes):
-        return _complete(state, asking(state, records)[:max_nodes], records, restarts)
+        asked = [node for node, record in records.items() if _asks(record)]
+        return _complete(state, ranked(asked, records, max_nodes), records, restarts)
     return state
 
 
 def where(state: RoundState, node: str, asks_after: int) -> Where:
-    """Where a node asking for a round newer than ``asks_after`` stands in ``state``."""
+    """Where a node asking for a round newer than ``asks_after`` stands in ``state``.
+
+    ``over``: the run closed, or its last round ended without this node.
+    """
+    if state.closed or (state.ended and node not in state.members):
+        return "over"
     if not state.complete or state.round <= asks_after:
         return "pending"
     return "running" if node in state.members else "waiting"
+
+
+def standing_by(state: RoundState, max_nodes: int) -> bool:
+    """A node waiting beside ``state`` is a standby: the round runs full, and has lost nobody."""
+    return state.complete and not state.lost and len(state.members) >= max_nodes
 
 
 class LastCall(NamedTuple):

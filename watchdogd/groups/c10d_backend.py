@@ -56,6 +56,7 @@ from watchdogd.core.rdzv_state import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
 from watchdogd.core.workerenv import Placement
@@ -92,6 +93,7 @@ _SUMMARY_KEY = "watchdogd/stragglers/{}"
 
 _ERRORS: dict[str, type[RendezvousError]] = {
     "closed": RendezvousClosedError,
+    "graceful": RendezvousGracefulExitError,
     "timeout": RendezvousTimeoutError,
     "connection": RendezvousConnectionError,
 }
@@ -114,6 +116,8 @@ class C10dBackend:
         self.endpoint = rdzv.endpoints[0] if rdzv.endpoints else ""
         self.helper = TorchHelper(rdzv.python)
         self.round: Round | None = None
+        self.needed = True
+        """False once the run closed while this node waited in torch's redundancy list."""
         self.waiting = 0
         self._on_event = on_event
         self._hostname = socket.gethostname()
@@ -222,6 +226,10 @@ class C10dBackend:
         self._placing = True
         try:
             self.round = placed = await self._call(NextRound(restart_count=restart_count), Round)
+        except RendezvousGracefulExitError as e:
+            self.needed = False
+            self._event("graceful_exit", str(e), NodeState.SUCCEEDED)
+            raise
         except RendezvousError as e:
             self._event("failed", str(e), NodeState.FAILED, error=str(e))
             raise
@@ -289,8 +297,10 @@ class C10dBackend:
     async def finish(self, state: GroupState) -> None:
         """As torch's agent ends: the exit barrier on success, then close the rendezvous."""
         self._finishing = True
-        if state is GroupState.STOPPED:
-            return  # stopped here by an operator or a signal: the others go on
+        if state is GroupState.STOPPED or not self.needed:
+            # Stopped here by an operator or a signal, or a surplus node the run
+            # closed without: the others go on, or are done.
+            return
         succeeded = state is GroupState.SUCCEEDED
         outcome = NodeState.SUCCEEDED if succeeded else NodeState.FAILED
         try:

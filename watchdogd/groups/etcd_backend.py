@@ -13,6 +13,8 @@ nodes (the design's part 6, on
 - while workers run, a node waiting to join (scale-up) restarts the group
   without counting; a lost node fails the attempt (counted); a closed
   rendezvous stops it;
+- a node beyond ``max_nodes`` stands by in its round (no join timeout), its
+  spares warm; when the job ends without it, its group SUCCEEDED;
 - at the end, the exit barrier holds this node until every node's group
   finished (bounded by ``exit_barrier_timeout``);
 - straggler summaries: one leased key per node, watched by every node
@@ -30,7 +32,12 @@ from typing import Self
 
 import anyio
 
-from watchdogd.core.rdzv_state import Change, RendezvousClosedError, RendezvousError
+from watchdogd.core.rdzv_state import (
+    Change,
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+)
 from watchdogd.core.workerenv import Placement
 from watchdogd.groups.etcd_rendezvous import EtcdRendezvous, RendezvousResult
 from watchdogd.linux.net import free_port, route_address
@@ -68,6 +75,8 @@ class EtcdBackend:
         )
         self.result: RendezvousResult | None = None
         self.restarts = 0
+        self.needed = True
+        """False once the job ended while this node stood by: it has no barrier to wait at."""
         self._local_restarts_seen = 0
         self._new_round = anyio.Event()
 
@@ -101,7 +110,11 @@ class EtcdBackend:
                 raise RendezvousClosedError(
                     f"the job used its {self.spec.max_restarts} restarts: closed on every node"
                 )
-        self.result = await self.rendezvous.next_rendezvous(free_port(self.advertise))
+        try:
+            self.result = await self.rendezvous.next_rendezvous(free_port(self.advertise))
+        except RendezvousGracefulExitError:
+            self.needed = False
+            raise
         self.restarts = self.result.restart_count
         self._new_round.set()
         return self.result.placement(), self.result.restart_count
@@ -114,10 +127,15 @@ class EtcdBackend:
             on_change(await self.rendezvous.wait_for_membership_change())
 
     async def finish(self, state: GroupState) -> None:
-        """Close the job on failure, then wait at the exit barrier for the others."""
-        if state is GroupState.STOPPED:
-            return  # stopped here by an operator: leaving is enough, the others see it
+        """Close the job on failure, then wait at the exit barrier for the others
+        (a node that never had a place leaves: the job goes on without it)."""
+        if state is GroupState.STOPPED or not self.needed:
+            # Stopped here by an operator, or a standby the job ended without:
+            # leaving is enough, the others see it.
+            return
         outcome = NodeState.SUCCEEDED if state is GroupState.SUCCEEDED else NodeState.FAILED
+        if self.result is None:
+            return  # it never ran in the job: its failure is its own, and no barrier waits
         try:
             if outcome is NodeState.FAILED:
                 await self.rendezvous.set_closed()
@@ -139,6 +157,7 @@ class EtcdBackend:
             waiting=self.rendezvous.num_nodes_waiting(),
             fenced_since=self.rendezvous.fenced_since,
             leader=self.rendezvous.leading,
+            standby=self.rendezvous.standby,
         )
 
     async def share(self, summary: bytes) -> Mapping[str, bytes]:

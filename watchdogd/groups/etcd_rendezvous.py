@@ -56,8 +56,11 @@ through ``on_event``.
 
 Events (:class:`~watchdogd_client.events.RdzvEvent`, through ``on_event``):
 ``join``, ``round_complete`` (with rank and master endpoint), ``nodes_waiting``,
-``node_lost``, ``closed``, ``timeout``, ``exit_barrier``, ``etcd_unavailable``
-and ``etcd_available``; failures carry their message in ``error_trace``.
+``standby``, ``graceful_exit`` (the job ended without this node), ``node_lost``,
+``closed``, ``timeout``, ``exit_barrier``, ``etcd_unavailable`` and
+``etcd_available``; failures carry their message in ``error_trace``.
+
+A node beyond ``max_nodes`` stands by (``standby``, no join timeout) for a lost one's rank.
 
 A run id is single-use, as in torch: a finished run leaves its closed state
 behind, so a late node learns the job is over rather than starting it anew.
@@ -85,11 +88,13 @@ from watchdogd.core.rdzv_state import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousGracefulExitError,
     RendezvousTimeoutError,
     RoundState,
     asking,
     barrier_over,
     barrier_pending,
+    standing_by,
     stop_reason,
     waiting_count,
     where,
@@ -116,6 +121,7 @@ __all__ = [
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousGracefulExitError",
     "RendezvousResult",
     "RendezvousTimeoutError",
     "parse_endpoints",
@@ -241,6 +247,7 @@ class EtcdRendezvous:
         self._round: int | None = None
         self._members: tuple[str, ...] = ()
         self._lost_self = False
+        self.standby = False  # it waits beside a full round without it: no join timeout
 
     @property
     def node_id(self) -> str:
@@ -325,13 +332,14 @@ class EtcdRendezvous:
         Called first at start and again after every restart: a node still in
         a running round leaves it, which tells the others to come back too.
         ``master_port`` is where this node would serve as rank 0; rank 0's is
-        the job's. Raises :class:`RendezvousClosedError`,
-        :class:`RendezvousTimeoutError`, :class:`RendezvousConnectionError`.
+        the job's. Raises :class:`RendezvousClosedError` (or its subclass
+        :class:`RendezvousGracefulExitError`: the job ended while this node waited
+        beside it), :class:`RendezvousTimeoutError`, :class:`RendezvousConnectionError`.
         """
         deadline = time.monotonic() + self.join_timeout
         after = -1 if self._round is None else self._round
-        if self._state.closed:
-            raise self._closed()
+        if where(self._state, self.node_id, after) == "over":
+            raise self._closed(graceful=False)
         self._lease.record = msgspec.structs.replace(
             self._lease.record,
             port=master_port,
@@ -343,20 +351,40 @@ class EtcdRendezvous:
         self._emit(
             "join", f"{self.node_id} asks for a place in a round after {after}", NodeState.INIT
         )
-        while True:
-            state = self._state
-            if state.closed:
-                raise self._closed()
-            position = where(state, self.node_id, after)
-            if position == "running":
-                return self._ran(state)
-            now = time.monotonic()
-            if now >= deadline:
-                raise await self._timed_out(state, position)
-            with anyio.move_on_after(deadline - now):
-                await self._news()
+        waited = False  # beside a round without this node: the job may end without it
+        try:
+            while True:
+                state = self._state
+                position = where(state, self.node_id, after)
+                if position == "over":
+                    raise self._closed(graceful=waited)
+                if position == "running":
+                    return self._ran(state)
+                waited = waited or position == "waiting"
+                self._stand_by(position == "waiting" and standing_by(state, self.max_nodes))
+                if self.standby:  # no join timeout: it counts from when that changes
+                    await self._news()
+                    deadline = time.monotonic() + self.join_timeout
+                elif (now := time.monotonic()) >= deadline:
+                    raise await self._timed_out(state, position)
+                else:
+                    with anyio.move_on_after(deadline - now):
+                        await self._news()
+        finally:
+            self._stand_by(False)
 
-    def _closed(self) -> RendezvousClosedError:
+    def _stand_by(self, standby: bool) -> None:
+        if standby and not self.standby:
+            beside = f"beside round {self._state.round}, full at {self.max_nodes} nodes"
+            message = f"{self.node_id} stands by {beside}: it takes the next lost node's rank"
+            self._emit("standby", message, NodeState.INIT)
+        self.standby = standby
+
+    def _closed(self, *, graceful: bool) -> RendezvousClosedError:
+        if graceful:
+            message = "the job ended while this node waited for a place: not needed"
+            self._emit("graceful_exit", message, NodeState.SUCCEEDED)
+            return RendezvousGracefulExitError(message)
         self._emit("closed", "the rendezvous is closed", NodeState.RUNNING)
         return RendezvousClosedError("the rendezvous is closed: the job has finished")
 

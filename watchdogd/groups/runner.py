@@ -54,7 +54,7 @@ from watchdogd.core.group_machine import (
 )
 from watchdogd.core.ports import EventSink, GroupError, Hardware, StragglerShare
 from watchdogd.core.progress import EXIT_NO_PROGRESS, StepProgress
-from watchdogd.core.rdzv_state import Change, RendezvousError
+from watchdogd.core.rdzv_state import Change, RendezvousError, RendezvousGracefulExitError
 from watchdogd.core.workerenv import Placement, gpu_assignment
 from watchdogd.groups.attempt import AttemptLauncher
 from watchdogd.groups.containment import AttemptCells, Containment
@@ -265,6 +265,8 @@ class GroupRunner:
                 # Caught here, inside the task group, or it would leave wrapped in a group.
                 try:
                     final = await self._run_attempts()
+                except RendezvousGracefulExitError as e:  # a standby the job ended without
+                    final = await self._not_needed(str(e))
                 except RendezvousError as e:
                     final = await self._cannot_run(str(e), exitcode=1)
                 except GroupError as e:  # an attempt that cannot start: no restart helps
@@ -299,6 +301,10 @@ class GroupRunner:
         )
         await self._apply(self.machine.error(reason))
         return GroupState.FAILED
+
+    async def _not_needed(self, reason: str) -> GroupState:
+        await self._apply(self.machine.not_needed(reason))
+        return GroupState.SUCCEEDED
 
     async def _run_attempts(self) -> GroupState:
         final = await self._apply(self.machine.start())

@@ -64,6 +64,10 @@ from watchdogd.linux.parent import die_with_parent
 from watchdogd.linux.plugins import LOGS_SPECS_GROUP, load_entry_point, not_found
 from watchdogd_client.framing import FrameSplitter, frame
 
+# How long a node that closed the run keeps its store up for the nodes beyond
+# max_nodes: two of their syncs, one a second (torch's), with room for a busy host.
+_SURPLUS_SYNC = 2.5
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Request)
 
@@ -84,7 +88,9 @@ def _failure(error: Exception) -> Failed:
     from torch.distributed.elastic.rendezvous import api
 
     kind: Any = "error"
-    if isinstance(error, api.RendezvousClosedError | api.RendezvousGracefulExitError):
+    if isinstance(error, api.RendezvousGracefulExitError):
+        kind = "graceful"
+    elif isinstance(error, api.RendezvousClosedError):
         kind = "closed"
     elif isinstance(error, api.RendezvousTimeoutError):
         kind = "timeout"
@@ -223,6 +229,11 @@ class _Helper:
             self.agent._exit_barrier()  # torch's: logs a timeout, never raises one
         waited = time.monotonic() - started
         self.agent.get_worker_group().spec.rdzv_handler.shutdown()
+        if self._state.redundancy_list:
+            # Nodes beyond max_nodes learn of the close at their next sync (torch's:
+            # every second), and leave with RendezvousGracefulExitError; the store this
+            # node may host must outlive that, or they fail on a closed socket instead.
+            time.sleep(_SURPLUS_SYNC)
         return Done(waited=waited)
 
     def load_logs_specs(self, request: LoadLogsSpecs) -> Opened:

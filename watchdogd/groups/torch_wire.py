@@ -177,7 +177,9 @@ class Reified(msgspec.Struct, tag=True, frozen=True, kw_only=True):
 class Failed(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """A request failed: ``kind`` sorts torch's exception, ``message`` says what happened."""
 
-    kind: Literal["closed", "timeout", "connection", "torch", "error"]
+    kind: Literal["closed", "graceful", "timeout", "connection", "torch", "error"]
+    """``graceful``: torch's ``RendezvousGracefulExitError``, the run closed while this
+    node waited in its redundancy list (beyond ``max_nodes``)."""
     message: str
 
 

@@ -192,6 +192,11 @@ class Metrics(Collector):
             "Nodes waiting to join the group's job (a scale-up restart is coming).",
             labels=["group"],
         )
+        standby = GaugeMetricFamily(
+            "watchdogd_rendezvous_standby",
+            "1 while this node stands by beside a full round, to take a lost node's rank.",
+            labels=["group"],
+        )
         for info in self.infos():
             left.add_metric([info.name], info.restarts_left)
             rdzv = info.rendezvous
@@ -199,7 +204,8 @@ class Metrics(Collector):
                 round_.add_metric([info.name], rdzv.round)
             if rdzv is not None:
                 waiting.add_metric([info.name], rdzv.waiting)
-        yield from (left, round_, waiting)
+                standby.add_metric([info.name], int(rdzv.standby))
+        yield from (left, round_, waiting, standby)
 
     def _stragglers(self) -> Iterator[Metric]:
         watch = self.stragglers
