@@ -1,4 +1,4 @@
-"""Goodput under failures: ``watchdogd run`` vs ``torchrun`` vs NVRx's ``ft_launcher``, one schedule.
+"""Goodput under failures: ``watchdogd run``, ``torchrun``, NVRx's ``ft_launcher``, one schedule.
 
 One trainer (``_goodput_trainer.py``: gloo, 2 nodes x 2 ranks, ``--mb`` MB
 all-reduced and ``--step-ms`` per step, ``torch.save`` every 10 steps, resume
@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -103,8 +104,8 @@ class Fault:
 
 
 def schedule(seed: int, every: float, duration: float) -> list[Fault]:
-    """A fault every ``every`` s; kinds drawn in seeded shuffles of all four, so each comes as often."""
-    rng, kinds, faults = random.Random(seed), [], []
+    """A fault every ``every`` s, kinds drawn in seeded shuffles of all four (each as often)."""
+    rng, kinds, faults = random.Random(seed), list[str](), list[Fault]()
     at = every
     while at < duration:
         if not kinds:
@@ -218,7 +219,12 @@ class Run:
             watchdogd = shutil.which("watchdogd") or "watchdogd"
             rdzv = c10d[:4]
             if s.watchdogd_rdzv == "etcd":
-                rdzv = ["--rdzv-backend", "etcd", "--rdzv-conf", f"lease_ttl={s.ttl},join_timeout=36000"]
+                rdzv = [
+                    "--rdzv-backend",
+                    "etcd",
+                    "--rdzv-conf",
+                    f"lease_ttl={s.ttl},join_timeout=36000",
+                ]
             command = [watchdogd, "run", *rdzv, *common]
             command += ["--prewarm", "torch", "--deadline", "step:initial=600,samples=200"]
             command += ["--event-log", str(self.out / f"events-{name}.jsonl")]
@@ -400,12 +406,12 @@ def analyse(run: Run, faults: list[Fault], launched: float, first: float) -> dic
     lines, s = run.lines, run.settings
     end = first + s.duration
     steps = sorted(
-        ((line["t"], line["step"], line["gen"], line["slow"]) for line in lines
-         if line["ev"] == "step" and line["t"] <= end)
+        (line["t"], line["step"], line["gen"], line["slow"]) for line in lines
+        if line["ev"] == "step" and line["t"] <= end
     )  # fmt: skip
     intervals = [
         b[0] - a[0]
-        for a, b in zip(steps, steps[1:], strict=False)
+        for a, b in itertools.pairwise(steps)
         if a[2] == b[2] and b[1] == a[1] + 1 and not b[3] and b[1] % 10 != 1
     ]
     clean = statistics.median(intervals) if intervals else float("nan")
@@ -519,7 +525,9 @@ def loss_of(
     return loss
 
 
-def first_event_after(events: list[dict[str, Any]], t: float, names: tuple[str, ...]) -> float | None:
+def first_event_after(
+    events: list[dict[str, Any]], t: float, names: tuple[str, ...]
+) -> float | None:
     for event in events:
         if event["t"] >= t and event["name"] in names:
             return float(event["t"])
@@ -552,9 +560,7 @@ def report(results: list[dict[str, Any]], settings: Settings) -> None:
         ("checkpoint save mean (ms)", "checkpoint_s_mean", "ms"),
     ]
     for label, key, fmt in rows:
-        cells = [
-            f"{r[key] * 1000:.1f}" if fmt == "ms" else fmt.format(r[key]) for r in results
-        ]
+        cells = [f"{r[key] * 1000:.1f}" if fmt == "ms" else fmt.format(r[key]) for r in results]
         print(f"{label:34}" + "".join(f"{c:>14}" for c in cells))
     print("time lost per fault kind, mean s (n) [phases: mean s]:")
     for kind in KINDS:
@@ -576,14 +582,20 @@ def report(results: list[dict[str, Any]], settings: Settings) -> None:
             if recomputed:
                 phase_text += f"; steps recomputed {statistics.fmean(recomputed):.1f}"
             print(
-                f"  {kind:6} {r['launcher']:10} lost {mean:6.2f} s ({len(measured)}/{len(of_kind)}),"
-                f" restarts {restarts}  [{phase_text}]" + (f"  {'; '.join(notes)}" if notes else "")
+                f"  {kind:6} {r['launcher']:10} lost {mean:6.2f} s "
+                f"({len(measured)}/{len(of_kind)}), restarts {restarts}  [{phase_text}]"
+                + (f"  {'; '.join(notes)}" if notes else "")
             )
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "faults"} | {"faults": r["faults"]}))
 
 
 # -- main ---------------------------------------------------------------------------------
+
+
+def keep_alive(text: str) -> tuple[int, int]:
+    interval, attempts = text.split("x")
+    return int(interval), int(attempts)
 
 
 @contextlib.contextmanager
@@ -632,7 +644,7 @@ def main() -> int:
     nvrx_dir = Path(os.environ.get("NVRX_DIR", Path(tempfile.gettempdir()) / "nvrx-anchor"))
     settings = Settings(
         args.duration, args.fault_every, args.seed, args.node_return, args.slow_for, args.ttl,
-        tuple(int(x) for x in args.keep_alive.split("x")),
+        keep_alive(args.keep_alive),
         args.torch_timeout, args.mb, args.step_ms, nvrx_dir, args.standby, args.watchdogd_rdzv,
     )  # fmt: skip
     launchers = args.launchers.split(",")
