@@ -190,7 +190,7 @@ class Run:
     def __init__(self, launcher: str, settings: Settings, work: Path, endpoint: str) -> None:
         self.launcher, self.settings, self.work, self.endpoint = launcher, settings, work, endpoint
         self.out = work / launcher
-        (self.out / "flags").mkdir(parents=True)
+        (self.out / "flags").mkdir(parents=True, exist_ok=True)
         self.agents: list[Agent] = []
         self.deaths: dict[int, float] = {}  # worker pid -> when it was first seen gone
         self.lines: list[dict[str, Any]] = []
@@ -430,6 +430,7 @@ def analyse(run: Run, faults: list[Fault], launched: float, first: float) -> dic
         "final_step": final,
         "clean_step_s": clean,
         "wall_s": end - launched,
+        "duration_s": s.duration,
         "startup_s": first - launched,
         "attempts": len(gens),
         "checkpoints": len(ckpts),
@@ -501,9 +502,9 @@ def loss_of(
     loss.recomputed_steps = max(0, s_f - resumed)
     caught = [row[0] for row in steps if row[2] == new_gen and row[1] >= s_f]
     marks: list[tuple[str, float]] = []
-    detected = first_event_after(events, t_f, ("timer_expired", "worker_failed", "worker_exited"))
-    if fault.kind == "node":
-        detected = first_event_after(events, t_f, ("rdzv_node_lost",)) or detected
+    detected = first_event_after(
+        events, t_f, ("timer_expired", "worker_failed", "worker_exited", "rdzv_node_lost")
+    )
     if detected is not None:
         marks.append(("detection", detected))
     if deaths:
@@ -593,6 +594,30 @@ def report(results: list[dict[str, Any]], settings: Settings) -> None:
 # -- main ---------------------------------------------------------------------------------
 
 
+def save(run: Run, faults: list[Fault], launched: float, first: float) -> None:
+    """What ``--analyse`` needs beside the logs: the schedule as run and the deaths seen."""
+    state = {"launched": launched, "first": first, "faults": [asdict(f) for f in faults]}
+    state |= {"deaths": run.deaths, "settings": asdict(run.settings) | {"nvrx_dir": "."}}
+    (run.out / "bench_state.json").write_text(json.dumps(state))
+
+
+def analyse_kept(work: Path) -> list[dict[str, Any]]:
+    results = []
+    for launcher in LAUNCHERS:
+        path = work / launcher / "bench_state.json"
+        if not path.exists():
+            continue
+        state = json.loads(path.read_text())
+        settings = Settings(**state["settings"])
+        settings.keep_alive = keep_alive("x".join(map(str, settings.keep_alive)))
+        run = Run(launcher, settings, work, "")
+        run.deaths = {int(pid): t for pid, t in state["deaths"].items()}
+        run.read_lines()
+        faults = [Fault(**f) for f in state["faults"]]
+        results.append(analyse(run, faults, state["launched"], state["first"]))
+    return results
+
+
 def keep_alive(text: str) -> tuple[int, int]:
     interval, attempts = text.split("x")
     return int(interval), int(attempts)
@@ -640,6 +665,7 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--analyse", metavar="DIR", help="report on a kept work directory again")
     args = parser.parse_args()
     nvrx_dir = Path(os.environ.get("NVRX_DIR", Path(tempfile.gettempdir()) / "nvrx-anchor"))
     settings = Settings(
@@ -647,6 +673,10 @@ def main() -> int:
         keep_alive(args.keep_alive),
         args.torch_timeout, args.mb, args.step_ms, nvrx_dir, args.standby, args.watchdogd_rdzv,
     )  # fmt: skip
+    if args.analyse:
+        results = analyse_kept(Path(args.analyse))
+        report(results, Settings(**{**asdict(settings), **{"duration": results[0]["duration_s"]}}))
+        return 0
     launchers = args.launchers.split(",")
     if "nvrx" in launchers and not (nvrx_dir / "site" / "bin" / "ft_launcher").exists():
         raise SystemExit(f"no ft_launcher under {nvrx_dir}: run ../shared/bench/anchor_nvrx/run.sh")
@@ -665,6 +695,7 @@ def main() -> int:
                     endpoint = stack.enter_context(c10d_store())
                 run = Run(launcher, settings, work, endpoint)
                 launched, first = run.run(faults)
+            save(run, faults, launched, first)
             results.append(analyse(run, faults, launched, first))
             log(f"{launcher}: ETTR {results[-1]['ettr']:.3f}")
         report(results, settings)
