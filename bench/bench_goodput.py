@@ -3,16 +3,16 @@
 One trainer (``_goodput_trainer.py``: gloo, 2 nodes x 2 ranks, ``--mb`` MB
 all-reduced and ``--step-ms`` per step, ``torch.save`` every 10 steps, resume
 from the latest checkpoint) runs under each launcher in turn, on this
-machine, with three agents each (two nodes and one standby, ``--nnodes
-2:2``), for ``--duration`` seconds, while the same seeded schedule injects a
-fault every ``--fault-every`` seconds, from outside:
+machine, two agents each (``--nnodes 2:2``; ``--standby`` adds a third once
+the job runs), for ``--duration`` seconds from the job's first step, while
+the same seeded schedule injects a fault every ``--fault-every`` seconds,
+from outside:
 
 - ``crash``: one rank SIGKILLed;
 - ``hang``: one rank sleeps before its next all-reduce (its peers block in
   the collective);
 - ``node``: a node lost: its agent and every process below it SIGKILLed; a
-  new agent (a new node) starts ``--node-return`` seconds later and waits as
-  the next standby;
+  new agent (a new node) starts ``--node-return`` seconds later;
 - ``slow``: one rank's steps take 1.5x longer for ``--slow-for`` seconds (the
   expected reaction: none; a kill is counted against the launcher).
 
@@ -26,25 +26,29 @@ The launchers, in the configuration their documentation gives for hangs:
   ``setup``/``step``/``checkpointing`` with the timeouts of NVRx's usage guide
   until ``calculate_and_set_section_timeouts()`` (after 50 steps), kept across
   restarts through ``state_dict()`` in the checkpoint;
-- ``watchdogd``: ``watchdogd run --rdzv-backend etcd`` on a real etcd the bench
-  starts (``tests/etcd.py``'s binary), ``--prewarm torch``, the step in
+- ``watchdogd``: ``watchdogd run`` on the same c10d store (``--watchdogd-rdzv
+  etcd``: a real etcd the bench starts, ``tests/etcd.py``'s binary,
+  ``lease_ttl=--ttl``), ``--prewarm torch``, the step in
   ``expires(after=LEARN, scope="step")`` with ``--deadline
   'step:initial=600,samples=200'`` (the README's example), ``--event-log``.
 
-Node loss is noticed by a heartbeat: etcd's lease (``--ttl``, ``lease_ttl``)
-for ours, the c10d keep-alive for the others (``keep_alive_interval=1``,
-``keep_alive_max_attempt=--ttl``): the same ``--ttl`` seconds for all.
+On c10d a lost node is noticed by torch's keep-alive (``--keep-alive``,
+``keep_alive_interval x keep_alive_max_attempt``, 2 x 2 s by default: 1 x 2
+broke the job here when a third agent joined), and every agent runs with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (below, in ``Run.command``).
 
 The report: ETTR per launcher (final step x fault-free step time / wall
-time; the fault-free step time is the median step of the run's own
-uninterrupted steps), and per fault kind the time lost (the gap in progress:
-from the fault to the first step beyond the last one completed before it,
-less one step), split into detection, teardown, rendezvous and restart to
-user code, process group, checkpoint reload and recomputed steps. The last
-lines are one JSON object per launcher. Usage::
+time from the first step; the fault-free step time is the median step of the
+run's own uninterrupted steps), and per fault kind the time lost (the gap in
+progress: from the fault to the first step of a new attempt beyond the last
+one the old attempt completed, less one step), split into detection,
+teardown, rendezvous (watchdogd's event log only), restart to user code,
+process group, checkpoint reload and recomputed steps. The last lines are
+one JSON object per launcher. Usage::
 
     python bench/bench_goodput.py [--duration 600] [--fault-every 30] [--seed 1]
-        [--launchers watchdogd,torchrun,nvrx] [--json out.json] [--keep]
+        [--launchers watchdogd,torchrun,nvrx] [--standby] [--json out.json] [--keep]
+    python bench/bench_goodput.py --analyse KEPT_DIR
 """
 
 from __future__ import annotations
