@@ -482,9 +482,8 @@ def loss_of(
             return loss
         loss.note = "restarted: the launcher killed a slow rank"
     elif not attempts:
-        loss.note = "no restart before the next fault"
         if any(row[0] > t_f for row in steps):
-            loss.lost_s = 0.0
+            loss.note, loss.lost_s = "no restart before the next fault", 0.0
             return loss
     beyond = [row for row in steps if row[2] in new_gens and row[1] > s_f]
     if not beyond or beyond[0][0] > until:
