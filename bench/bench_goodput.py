@@ -481,10 +481,9 @@ def loss_of(
             loss.phases["steps_slowed"] = float(sum(1 for row in done if row[3]))
             return loss
         loss.note = "restarted: the launcher killed a slow rank"
-    elif not attempts:
-        if any(row[0] > t_f for row in steps):
-            loss.note, loss.lost_s = "no restart before the next fault", 0.0
-            return loss
+    elif not attempts and any(row[0] > t_f for row in steps):
+        loss.note, loss.lost_s = "no restart before the next fault", 0.0
+        return loss
     beyond = [row for row in steps if row[2] in new_gens and row[1] > s_f]
     if not beyond or beyond[0][0] > until:
         loss.note = loss.note or "no progress before the next fault: lost is a lower bound"
