@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -228,7 +229,16 @@ def test_a_standby_node_shows_in_the_metrics() -> None:
                          workers=[], rendezvous=rdzv, started_at=0.0)  # fmt: skip
 
     infos = [group("waits", True), group("runs", False)]
-    metrics = Metrics(Stats(), [], [], Stragglers(), lambda: [], lambda: infos, LoopMonitor())
+    no_stragglers = SimpleNamespace(board=Stragglers(), drilled=set(), drill_flags=0)
+    metrics = Metrics(
+        Stats(),
+        [],
+        [],
+        no_stragglers,
+        lambda: [],
+        lambda: infos,
+        LoopMonitor(),  # type: ignore[arg-type]
+    )
     (family,) = (
         f
         for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
