@@ -19,24 +19,21 @@ until it finds nothing, which narrows that window, not closes it).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 
+from watchdogd.linux.enter_cell import PR_SET_CHILD_SUBREAPER, prctl
 from watchdogd.linux.procs import read_stat
 from watchdogd_client._proc import PinnedProcess, stat_fields
 
 __all__ = ["SessionCell", "adopted", "become_subreaper", "kill_matched", "reap"]
 
-_PR_SET_CHILD_SUBREAPER = 36
 _SWEEPS = 5
 
 
 def become_subreaper() -> None:
     """Orphaned descendants come to this process, not to init (OSError if refused)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _table() -> dict[int, tuple[int, int, int]]:
