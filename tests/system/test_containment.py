@@ -20,6 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
+import anyio
 import pytest
 
 from watchdogd.launcher import LaunchConfig, elastic_launch
@@ -52,7 +53,7 @@ def _cgroup_writable() -> bool:
         job = cgroups.open_job_cgroup()
     except OSError:
         return False
-    job.remove()
+    job.close()
     return True
 
 
@@ -232,3 +233,43 @@ def test_the_session_sweep_takes_no_child_the_daemon_started_for_itself() -> Non
         sessions.ended_own(helper.pid)
         helper.kill()
         helper.wait()
+
+
+@pytest.mark.skipif(not _cgroup_writable(), reason="cgroup v2 cannot be written")
+@pytest.mark.anyio
+async def test_settling_kills_a_cells_setsid_child_and_waits_on_cgroup_events(
+    marker: str,
+) -> None:
+    job = cgroups.open_job_cgroup()
+    try:
+        cell = job.cell("g.worker0")
+        assert cell.procs is not None
+        sleeper = f"import time; time.sleep(3000)  # {marker}"
+        launch = (
+            "import subprocess, sys; "
+            f"subprocess.Popen([sys.executable, '-c', {sleeper!r}], start_new_session=True)"
+        )
+        shim = enter_cell.shim_command(cell.procs, [sys.executable, "-c", launch])
+        await anyio.run_process(shim, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: len(alive(marker)) == 1, timeout=10)
+        (child,) = cell.alive()
+        assert alive(marker) == [child]
+        # The wake-up: a change of cgroup.events, seen through inotify.
+        changes = cgroups._Changes([cell])
+        try:
+            os.kill(child, signal.SIGKILL)
+            with anyio.fail_after(10):
+                await changes.wait()
+        finally:
+            changes.close()
+        assert cell.alive() == []
+        # The settle itself, with another child left.
+        await anyio.run_process(shim, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: len(alive(marker)) == 1, timeout=10)
+        with anyio.fail_after(10):
+            await job.settle([cell])
+        assert cell.alive() == [] and alive(marker) == []
+        cell.remove()
+        assert not cell.path.exists()
+    finally:
+        job.close()
