@@ -28,6 +28,8 @@ import logging
 from pathlib import Path
 
 import anyio
+import anyio.abc
+import anyio.to_thread
 
 from watchdogd.core.ports import EventSink, GroupError
 from watchdogd.groups.child import Cell
@@ -110,7 +112,12 @@ def _comm(pid: int) -> str:
 
 
 class AttemptCells(Feature):
-    """A group's cells: the current attempt's; killed and awaited before the next one."""
+    """A group's cells: the current attempt's; killed and awaited before the next one.
+
+    Each attempt's cells are made ahead, in a thread, once the last attempt's
+    workers run (a cgroup's mkdir waits while children move into theirs), and
+    the emptied ones removed then: a restart's path makes and removes none.
+    """
 
     def __init__(self, containment: Containment, group: str, events: EventSink) -> None:
         self.containment = containment
@@ -118,33 +125,55 @@ class AttemptCells(Feature):
         self.events = events
         self.cells: list[Cell] = []
         self._emptied: list[Cell] = []
+        self._asked: list[str] = []
+        self._ahead: dict[str, Cell] = {}
+        self._started = anyio.Event()
 
     def cell(self, name: str) -> Cell:
         """A new cell for a child of this group (a spare's stays the pool's until it works)."""
-        return self.containment.cell(f"{self.group}.{name}")
+        name = f"{self.group}.{name}"
+        self._asked.append(name)
+        made = self._ahead.pop(name, None)
+        return made if made is not None else self.containment.cell(name)
 
     def join(self, cell: Cell) -> None:
         """``cell`` holds a worker of the current attempt."""
         self.cells.append(cell)
+
+    def start(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.start_soon(self._make_ahead)
+
+    async def _make_ahead(self) -> None:
+        """Once each attempt's workers run: the cells that the next will ask for."""
+        while True:
+            await self._started.wait()
+            self._started = anyio.Event()
+            names = {name for name in self._asked if name not in self._ahead}
+            self._asked = []
+            self._ahead.update(await anyio.to_thread.run_sync(self._make, names))
+
+    def _make(self, names: set[str]) -> dict[str, Cell]:
+        return {name: self.containment.cell(name) for name in names}
 
     async def prepare(self) -> None:
         """The last attempt's processes are all gone, or GroupError naming those still alive."""
         await self._settle("before the next attempt")
 
     def workers_started(self) -> None:
-        self._remove_emptied()
+        emptied, self._emptied = self._emptied, []
+        for cell in emptied:
+            cell.remove()
+        self._started.set()
 
     async def aclose(self) -> None:
         try:
             await self._settle("at the group's end")
         except GroupError as e:
             log.warning("%s", e)
-        self._remove_emptied()
-
-    def _remove_emptied(self) -> None:
-        emptied, self._emptied = self._emptied, []
-        for cell in emptied:
+        unused, self._ahead = list(self._ahead.values()), {}
+        for cell in [*self._emptied, *unused]:
             cell.remove()
+        self._emptied = []
 
     async def _settle(self, when: str) -> None:
         cells, self.cells = self.cells, []

@@ -26,24 +26,29 @@ changed (:func:`until_empty` waits so, nothing polls).
 A child moving into its cell takes the kernel's lock for moving processes
 between cgroups (``cgroup_threadgroup_rwsem``), which first waits for an RCU
 grace period (~13 ms on the development machine) when nobody took it for a
-while: on a cold restart's path to user code. A killed cell means an
-attempt ended and new children will soon move, so killing one also takes
-that lock once, in a thread (:class:`_Warmer`), while the last attempt is
-being stopped; the new children then mostly find it warm. (A host mounted
-with ``favordynmods`` never makes a mover wait.)
+while, holding ``cgroup_mutex`` meanwhile, which every mkdir, rmdir and
+``cgroup.kill`` takes too. So a job's writes run in a thread of their own
+(:class:`_Writer`), never on the event loop; and a killed cell, which means
+an attempt ended and new children will soon move, also takes that lock
+once there, while the last attempt is being stopped: the new children then
+wait only what is left of that grace period. (A host whose cgroup2 is
+mounted with ``favordynmods`` never makes a mover wait.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
+import queue
 import re
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -129,25 +134,35 @@ def _remove(path: Path) -> None:
             os.rmdir(directory)
 
 
-def _nothing() -> None:
-    pass
+def _at_once(write: Callable[[], None]) -> None:
+    write()
 
 
 class CgroupCell:
-    """One child's cgroup: it and everything it starts."""
+    """One child's cgroup: it and everything it starts.
 
-    def __init__(self, path: Path, on_kill: Callable[[], None] = _nothing) -> None:
+    ``write(op)`` runs its kill and its removal (at once, or handed to a
+    thread: :class:`_Writer`); ``killed()`` follows each kill.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        write: Callable[[Callable[[], None]], None] = _at_once,
+        killed: Callable[[], None] = lambda: None,
+    ) -> None:
         self.path = path
         self.procs: str | None = str(path / "cgroup.procs")
-        self._on_kill = on_kill
+        self._write = write
+        self._killed = killed
 
     def bind(self, pid: int) -> None:
         """The child is ``pid`` (it placed itself: nothing to do)."""
 
     def kill(self) -> None:
         """SIGKILL every process in it, whatever session each made."""
-        _kill(self.path)
-        self._on_kill()
+        self._write(partial(_kill, self.path))
+        self._killed()
 
     def alive(self) -> list[int]:
         """The pids still in it (none once ``populated 0``)."""
@@ -155,33 +170,56 @@ class CgroupCell:
 
     def remove(self) -> None:
         """rmdir, once empty (a cgroup with processes stays, and is swept with the job)."""
-        with contextlib.suppress(OSError):
-            _remove(self.path)
+        self._write(partial(_remove_quietly, self.path))
 
 
-class _Warmer:
-    """Takes the kernel's lock for moving processes between cgroups once, in a thread.
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        _remove(path)
 
-    It moves this process into the cgroup it already is in (``procs``): a move
-    that changes nothing, but that takes the lock and so pays its grace period.
-    At most one at a time; a failure (the cgroup refuses the move) is nothing
-    to report: the lock was taken before the refusal, or no child could move.
+
+class _Writer:
+    """A thread for the cgroup writes of a running job: kills, removals, warm-ups.
+
+    Each takes the kernel's ``cgroup_mutex``, which a child moving into its
+    cell holds while it waits out the grace period: from the event loop, a
+    kill or an rmdir beside a restart's placements would stall the loop that
+    long. In order, one at a time; an error is the kernel's word that there
+    was nothing to do (gone, or not empty yet). :meth:`warm` moves this
+    process into the cgroup it already is in (``procs``): a move that changes
+    nothing, but takes the lock and so pays its grace period, once per burst
+    of kills.
     """
 
     def __init__(self, procs: Path) -> None:
         self.procs = procs
-        self._busy = threading.Lock()
+        self._ops: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._warm_queued = False
+        self._thread = threading.Thread(target=self._run, name="watchdogd-cgroups", daemon=True)
+        self._thread.start()
 
-    def __call__(self) -> None:
-        if self._busy.acquire(blocking=False):
-            threading.Thread(target=self._move, name="watchdogd-cgroup-warm", daemon=True).start()
+    def __call__(self, op: Callable[[], None]) -> None:
+        self._ops.put(op)
 
-    def _move(self) -> None:
-        try:
-            with contextlib.suppress(OSError), open(self.procs, "w") as f:
-                f.write("0")
-        finally:
-            self._busy.release()
+    def warm(self) -> None:
+        if not self._warm_queued:
+            self._warm_queued = True
+            self._ops.put(self._move_self)
+
+    def _move_self(self) -> None:
+        self._warm_queued = False
+        with open(self.procs, "w") as f:
+            f.write("0")
+
+    def _run(self) -> None:
+        while (op := self._ops.get()) is not None:
+            with contextlib.suppress(OSError):
+                op()
+
+    def close(self, timeout: float) -> None:
+        """Run what is queued, then stop (bounded)."""
+        self._ops.put(None)
+        self._thread.join(timeout)
 
 
 class JobCgroup:
@@ -191,20 +229,20 @@ class JobCgroup:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._serial = 0
-        self._warm = _Warmer(path.parent / "cgroup.procs")
+        self._serial = itertools.count(1)
+        self._writer = _Writer(path.parent / "cgroup.procs")
         self._keeper: subprocess.Popen[bytes] | None = None
 
     def describe(self) -> str:
         return f"cgroup v2 per worker, under {self.path}"
 
     def cell(self, name: str) -> CgroupCell:
-        """A new cgroup for one child (``name`` made safe, and unique with a serial)."""
-        self._serial += 1
+        """A new cgroup for one child (``name`` made safe, and unique with a serial); from
+        any thread."""
         safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
-        path = self.path / f"{safe}.{self._serial}"
+        path = self.path / f"{safe}.{next(self._serial)}"
         path.mkdir()
-        return CgroupCell(path, self._warm)
+        return CgroupCell(path, self._writer, self._writer.warm)
 
     async def settle(self, cells: Sequence[Cell]) -> None:
         """Kill what is left in ``cells`` and wait until they are empty (cancel to bound it;
@@ -227,6 +265,7 @@ class JobCgroup:
     def close(self) -> None:
         """This process ends its job itself: the keeper stands down (bounded: one that does
         not is killed), the job cgroup goes once empty."""
+        self._writer.close(_KEEPER_STOP_TIMEOUT)
         keeper_process, self._keeper = self._keeper, None
         if keeper_process is not None and keeper_process.stdin is not None:
             try:
