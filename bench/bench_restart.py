@@ -21,7 +21,10 @@ the replacement spares finish their imports (8 ranks on 2 cores: ~6 s).
 Usage::
 
     python bench/bench_restart.py [--nproc 8] [--restarts 20] [--import-torch] [--gap S]
-                                  [--json out.json]
+                                  [--json out.json] [--no-torchrun]
+
+``--no-torchrun`` leaves torchrun out, to compare two versions of watchdogd
+(the ``watchdogd`` found first on ``PATH``, with the ``PYTHONPATH`` given).
 """
 
 from __future__ import annotations
