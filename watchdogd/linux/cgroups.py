@@ -21,7 +21,7 @@ no-internal-processes rule binds only cgroups with controllers on).
 ``cgroup.kill`` (kernel 5.14) kills every process of a cgroup and of those
 below, whatever session or process group it made; ``cgroup.events`` says
 ``populated 0`` once they have all exited, and inotify tells when it
-changed (:func:`until_empty` waits so, nothing polls).
+changed (:func:`until_empty` waits so, re-reading it ever less often).
 
 A child moving into its cell takes the kernel's lock for moving processes
 between cgroups (``cgroup_threadgroup_rwsem``), which first waits for an RCU
