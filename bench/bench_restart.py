@@ -21,7 +21,10 @@ the replacement spares finish their imports (8 ranks on 2 cores: ~6 s).
 Usage::
 
     python bench/bench_restart.py [--nproc 8] [--restarts 20] [--import-torch] [--gap S]
-                                  [--json out.json]
+                                  [--json out.json] [--no-torchrun]
+
+``--no-torchrun`` leaves torchrun out, to compare two versions of watchdogd
+(the ``watchdogd`` found first on ``PATH``, with the ``PYTHONPATH`` given).
 """
 
 from __future__ import annotations
@@ -115,9 +118,15 @@ def main() -> int:
     parser.add_argument("--import-torch", action="store_true", help="workers import torch first")
     parser.add_argument("--gap", type=float, default=0.0, help="seconds each attempt runs")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument(
+        "--no-torchrun",
+        action="store_true",
+        help="watchdogd only (to compare two versions of it; ratios to torchrun are left out)",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="wd-bench-restart-"))
-    launchers = ["torchrun", "watchdogd"] + (["prewarm"] if args.import_torch else [])
+    launchers = [] if args.no_torchrun else ["torchrun"]
+    launchers += ["watchdogd"] + (["prewarm"] if args.import_torch else [])
     try:
         worker = work / "worker.py"
         worker.write_text(WORKER.replace("IMPORTS", "import torch" if args.import_torch else ""))
@@ -154,24 +163,26 @@ def report(
     torch_note = ", workers import torch" if args.import_torch else ""
     print(f"group restart, nproc={args.nproc}, {args.restarts} restarts each{torch_note}, "
           f"gap {args.gap:g} s")  # fmt: skip
+    ours = [n for n in launchers if n != "torchrun"]
+    against = ours if "torchrun" in launchers else []
     print(f"{'':30}" + "".join(f"{titles[n]:>12}" for n in launchers)
-          + "".join(f"{'torchrun/' + titles[n]:>22}" for n in launchers[1:]))  # fmt: skip
+          + "".join(f"{'torchrun/' + titles[n]:>22}" for n in against))  # fmt: skip
     for key, label in (
         ("first_up", "exit -> first at user code"),
         ("all_up", "exit -> all at user code"),
     ):
         for q, qname in ((0.5, "p50"), (0.99, "p99")):
             values = [percentile(results[n][key], q) * 1000 for n in launchers]
-            ratios = [values[0] / v for v in values[1:]]
+            ratios = [values[0] / v for v in values[1:]] if against else []
             print(f"{label + ' ' + qname:30}" + "".join(f"{v:10.1f}ms" for v in values)
                   + "".join(f"{r:21.1f}x" for r in ratios))  # fmt: skip
     print(
         f"{'whole run (wall)':30}" + "".join(f"{results[n]['wall'][0]:11.2f}s" for n in launchers)
     )
-    for name in launchers[1:]:
-        ours = results[name]
+    for name in ours:
         for key, label in (("detect", "exit seen"), ("spawned", "all replacements started")):
-            median, p99 = statistics.median(ours[key]) * 1000, percentile(ours[key], 0.99) * 1000
+            values = results[name][key]
+            median, p99 = statistics.median(values) * 1000, percentile(values, 0.99) * 1000
             print(
                 f"{titles[name]}, exit -> {label}: median {median:.1f} ms, p99 {p99:.1f} ms "
                 "(event timestamps: 1 ms steps)"

@@ -81,11 +81,13 @@ def all_reduce() -> tuple[float, int]:
     return float(total.item()), helpers
 
 
-def leaves_children(marker: str, out_dir: str) -> int:
+def leaves_children(marker: str, out_dir: str, hang: bool = False) -> int:
     """Starts a sleeper in a session of its own and one in its own session, notes their
-    pids in ``out_dir``, and returns: what torchrun leaves running."""
+    pids in ``out_dir``, and returns (what torchrun leaves running); or, with ``hang``,
+    notes its own pid too and sleeps."""
     import subprocess
     import sys
+    import time
 
     for own_session in (True, False):
         child = subprocess.Popen(
@@ -93,4 +95,7 @@ def leaves_children(marker: str, out_dir: str) -> int:
             start_new_session=own_session,
         )
         Path(out_dir, f"child-{child.pid}").touch()
+    if hang:
+        Path(out_dir, f"worker-{os.getpid()}").touch()
+        time.sleep(300)
     return int(os.environ["RANK"])

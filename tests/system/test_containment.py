@@ -20,6 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
+import anyio
 import pytest
 
 from watchdogd.launcher import LaunchConfig, elastic_launch
@@ -52,7 +53,7 @@ def _cgroup_writable() -> bool:
         job = cgroups.open_job_cgroup()
     except OSError:
         return False
-    job.remove()
+    job.close()
     return True
 
 
@@ -144,6 +145,50 @@ def test_a_killed_agent_takes_its_workers_along(tmp_path: Path, marker: str, mod
         assert len(left) == 4
 
 
+AGENT = """
+import sys
+from watchdogd.launcher import LaunchConfig, elastic_launch
+from tests.system import launch_workers as workers
+config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="t")
+elastic_launch(config, workers.leaves_children)(sys.argv[1], sys.argv[2], True)
+"""
+
+
+def test_a_killed_launcher_takes_its_callables_along(tmp_path: Path, marker: str) -> None:
+    # Row 3 under the launcher: SIGKILL the process running elastic_launch while its
+    # 2 callable workers run, each with a setsid'd child and one in its own session.
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ["PYTHONPATH"]])}
+    command = [sys.executable, "-c", AGENT, marker, str(tmp_path)]
+    with subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL) as agent:
+        try:
+            # The 4 children, and the agent, whose command line holds the marker too.
+            wait_until(lambda: len(list(tmp_path.glob("worker-*"))) == 2, timeout=60)
+            wait_until(lambda: len(alive(marker)) == 5, timeout=30)
+        finally:
+            agent.kill()
+    time.sleep(1.0)
+    left = alive(marker)
+    workers_left = [p for p in _pids(tmp_path, "worker-") if _running(p)]
+    assert workers_left == []  # the parent-death signal, tied to the starter's own thread
+    if _cgroup_writable():
+        assert left == []  # the keeper killed the job's cgroup
+    else:
+        assert len(left) == 4  # the weaker mode, as for a command
+
+
+def _pids(directory: Path, prefix: str) -> list[int]:
+    return [int(p.name.removeprefix(prefix)) for p in directory.glob(f"{prefix}*")]
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 @pytest.mark.skipif(not _cgroup_writable(), reason="cgroup v2 cannot be written")
 def test_the_next_run_removes_a_dead_agents_cgroups(tmp_path: Path, marker: str) -> None:
     # The agent and its keeper both SIGKILLed: the workers' children stay in the job's
@@ -232,3 +277,43 @@ def test_the_session_sweep_takes_no_child_the_daemon_started_for_itself() -> Non
         sessions.ended_own(helper.pid)
         helper.kill()
         helper.wait()
+
+
+@pytest.mark.skipif(not _cgroup_writable(), reason="cgroup v2 cannot be written")
+@pytest.mark.anyio
+async def test_settling_kills_a_cells_setsid_child_and_waits_on_cgroup_events(
+    marker: str,
+) -> None:
+    job = cgroups.open_job_cgroup()
+    try:
+        cell = job.cell("g.worker0")
+        assert cell.procs is not None
+        sleeper = f"import time; time.sleep(3000)  # {marker}"
+        launch = (
+            "import subprocess, sys; "
+            f"subprocess.Popen([sys.executable, '-c', {sleeper!r}], start_new_session=True)"
+        )
+        shim = enter_cell.shim_command(cell.procs, [sys.executable, "-c", launch])
+        await anyio.run_process(shim, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: len(alive(marker)) == 1, timeout=10)
+        (child,) = cell.alive()
+        assert alive(marker) == [child]
+        # The wake-up: a change of cgroup.events, seen through inotify.
+        changes = cgroups._Changes([cell])
+        try:
+            os.kill(child, signal.SIGKILL)
+            with anyio.fail_after(10):
+                await changes.wait()
+        finally:
+            changes.close()
+        assert cell.alive() == []
+        # The settle itself, with another child left.
+        await anyio.run_process(shim, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: len(alive(marker)) == 1, timeout=10)
+        with anyio.fail_after(10):
+            await job.settle([cell])
+        assert cell.alive() == [] and alive(marker) == []
+        cell.remove()  # by the job's writer thread
+        wait_until(lambda: not cell.path.exists(), timeout=5)
+    finally:
+        job.close()

@@ -188,7 +188,7 @@ class AttemptLauncher:
     ) -> Started:
         """Start one worker on its opened streams, which are closed on failure."""
         cpus = self.binding.cpus(local_rank)
-        cell = self.cells.cell(f"a{attempt}.rank{local_rank}")
+        cell = self.cells.cell(f"rank{local_rank}")
         start = partial(self.starter.start, local_rank, attempt, env, targets, cpus, cell)
         try:
             return await anyio.to_thread.run_sync(start) if self.starter.off_loop else start()

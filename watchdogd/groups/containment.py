@@ -6,8 +6,11 @@ when the hierarchy may be written, with a keeper process that kills the job
 if the daemon dies (:mod:`watchdogd.linux.keeper`); else the weaker
 fallback of sessions and ``/proc`` (:mod:`watchdogd.linux.sessions`), with
 the daemon as the child subreaper, and ``watchdogctl status`` and the
-start-up log say so, and why. Opening it also ends what a dead daemon left
-(the job cgroups whose owner is gone), with a ``stale_cgroups_removed`` event.
+start-up log say so, and why. Both are a job with one interface
+(:class:`~watchdogd.linux.cgroups.JobCgroup`,
+:class:`~watchdogd.linux.sessions.SessionJob`): nothing here asks which.
+Opening it also ends what a dead daemon left (the job cgroups whose owner
+is gone), with a ``stale_cgroups_removed`` event.
 
 Each group has an :class:`AttemptCells` feature: a cell per child (a worker,
 a spare), into which the child places itself before user code
@@ -15,27 +18,23 @@ a spare), into which the child places itself before user code
 killed (:meth:`ChildProcess.kill_group`); before the next attempt starts,
 and when the group ends, every cell of the last attempt is killed again and
 must be empty within :data:`SETTLE_TIMEOUT`, or the group fails naming what
-is still alive (an ``attempt_leftovers`` event first).
+is still alive (an ``attempt_leftovers`` event first). Emptied cells are
+removed once the next attempt's workers run: off the restart's path.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import anyio
+import anyio.abc
+import anyio.to_thread
 
 from watchdogd.core.ports import EventSink, GroupError
 from watchdogd.groups.child import Cell
 from watchdogd.groups.features import Feature
-from watchdogd.linux import cgroups, keeper, sessions
-from watchdogd.linux.procs import read_stat
+from watchdogd.linux import cgroups, sessions
 
 __all__ = ["SETTLE_TIMEOUT", "AttemptCells", "Containment"]
 
@@ -44,30 +43,20 @@ log = logging.getLogger("watchdogd.supervisor")
 SETTLE_TIMEOUT = 10.0
 """How long an attempt's processes get to be gone once killed (one in D state may not go)."""
 
-_POLL = 0.005
-
 
 class Containment:
     """How this daemon's children are contained: ``cgroup`` or the weaker ``session``."""
 
-    def __init__(self, job: cgroups.JobCgroup | None, reason: str) -> None:
+    def __init__(self, job: cgroups.JobCgroup | sessions.SessionJob) -> None:
         self.job = job
-        self.reason = reason
-        self.parent = os.getpid()
-        self.known: set[int] = set()
-        """The children this daemon started as workers and spares (the fallback's sweep
-        leaves them to their owners)."""
-        self._keeper: subprocess.Popen[bytes] | None = None
 
     @property
     def mode(self) -> str:
-        return "cgroup" if self.job is not None else "session"
+        return self.job.mode
 
     def describe(self) -> str:
         """For ``watchdogctl status`` and the start-up log."""
-        if self.job is not None:
-            return f"cgroup v2 per worker, under {self.job.path}"
-        return f"weaker: sessions and /proc, no cgroup ({self.reason})"
+        return self.job.describe()
 
     @classmethod
     async def open(cls, events: EventSink, *, cgroups_allowed: bool = True) -> Containment:
@@ -75,7 +64,8 @@ class Containment:
         stale = cgroups.sweep_stale()
         if stale:
             cells = [cgroups.CgroupCell(Path(s.path)) for s in stale]
-            await _until_gone(lambda: [pid for cell in cells for pid in cell.alive()])
+            with anyio.move_on_after(SETTLE_TIMEOUT):
+                await cgroups.until_empty(cells)
             cgroups.remove_stale(stale)
             events.emit(
                 "stale_cgroups_removed",
@@ -83,89 +73,34 @@ class Containment:
                 owners=" ".join(str(s.owner) for s in stale),
                 pids=" ".join(str(pid) for s in stale for pid in s.pids),
             )
-        job, reason = None, "process_containment = session"
+        job: cgroups.JobCgroup | sessions.SessionJob
+        reason = "process_containment = session"
         if cgroups_allowed:
             try:
                 job = cgroups.open_job_cgroup()
             except OSError as e:
                 reason = f"cgroup v2 cannot be written: {e.strerror or e}"
-        containment = cls(job, reason)
-        if job is None:
-            sessions.become_subreaper()
-            log.warning("process containment is %s", containment.describe())
-        else:
-            containment._start_keeper()
-        return containment
-
-    def _start_keeper(self) -> None:
-        assert self.job is not None
-        self._keeper = subprocess.Popen(
-            [sys.executable, "-I", "-S", keeper.__file__, str(self.parent), str(self.job.path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+            else:
+                job.start_keeper()
+                return cls(job)
+        job = sessions.SessionJob(reason)
+        log.warning("process containment is %s", job.describe())
+        return cls(job)
 
     def cell(self, name: str) -> Cell:
         """A new cell for one child."""
-        if self.job is None:
-            return sessions.SessionCell(self.known)
         return self.job.cell(name)
-
-    def leftovers(self, cells: list[Cell]) -> list[int]:
-        """Kill what is left in ``cells`` (and, in the fallback, orphans adopted since the
-        attempt began); the pids still alive."""
-        for cell in cells:
-            cell.kill()
-        alive = [pid for cell in cells for pid in cell.alive()]
-        if self.job is None:
-            orphans = sessions.adopted(self.known)
-            sessions.kill_matched(orphans)
-            sessions.reap(list(orphans))
-            alive += [pid for pid in orphans if _running(pid)]
-        return alive
 
     async def settle(self, cells: list[Cell]) -> list[int]:
         """Kill every process of ``cells`` and wait until none is left (bounded): the pids
-        still alive at the bound (empty: all gone; the cells are removed)."""
-        alive = await _until_gone(partial(self.leftovers, cells))
-        if not alive:
-            for cell in cells:
-                cell.remove()
-        return alive
+        still alive at the bound (empty: all gone)."""
+        with anyio.move_on_after(SETTLE_TIMEOUT) as bound:
+            await self.job.settle(cells)
+        return await self.job.alive(cells) if bound.cancelled_caught else []
 
     def close(self) -> None:
         """The daemon ended its job itself: the keeper stands down, the job cgroup goes."""
-        if self._keeper is not None and self._keeper.stdin is not None:
-            try:
-                self._keeper.stdin.write(b"stop\n")
-                self._keeper.stdin.close()
-            except OSError:
-                pass
-            self._keeper.wait()
-        if self.job is not None:
-            self.job.remove()
-
-
-async def _until_gone(alive: Callable[[], list[int]]) -> list[int]:
-    """Poll ``alive()`` until it is empty or :data:`SETTLE_TIMEOUT` passed; its last answer.
-
-    ``cgroup.events`` announces a change through inotify only, which the
-    standard library lacks: a kill takes a few milliseconds, polled at 5 ms.
-    """
-    deadline = time.monotonic() + SETTLE_TIMEOUT
-    left = alive()
-    while left and time.monotonic() < deadline:
-        await anyio.sleep(_POLL)
-        left = alive()
-    return left
-
-
-def _running(pid: int) -> bool:
-    try:
-        return read_stat(pid).state not in ("Z", "X")
-    except ProcessLookupError:
-        return False
+        self.job.close()
 
 
 def _comm(pid: int) -> str:
@@ -177,31 +112,68 @@ def _comm(pid: int) -> str:
 
 
 class AttemptCells(Feature):
-    """A group's cells: the current attempt's; killed and awaited before the next one."""
+    """A group's cells: the current attempt's; killed and awaited before the next one.
+
+    Each attempt's cells are made ahead, in a thread, once the last attempt's
+    workers run (a cgroup's mkdir waits while children move into theirs), and
+    the emptied ones removed then: a restart's path makes and removes none.
+    """
 
     def __init__(self, containment: Containment, group: str, events: EventSink) -> None:
         self.containment = containment
         self.group = group
         self.events = events
         self.cells: list[Cell] = []
+        self._emptied: list[Cell] = []
+        self._asked: list[str] = []
+        self._ahead: dict[str, Cell] = {}
+        self._started = anyio.Event()
 
     def cell(self, name: str) -> Cell:
         """A new cell for a child of this group (a spare's stays the pool's until it works)."""
-        return self.containment.cell(f"{self.group}.{name}")
+        name = f"{self.group}.{name}"
+        self._asked.append(name)
+        made = self._ahead.pop(name, None)
+        return made if made is not None else self.containment.cell(name)
 
     def join(self, cell: Cell) -> None:
         """``cell`` holds a worker of the current attempt."""
         self.cells.append(cell)
 
+    def start(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.start_soon(self._make_ahead)
+
+    async def _make_ahead(self) -> None:
+        """Once each attempt's workers run: the cells that the next will ask for."""
+        while True:
+            await self._started.wait()
+            self._started = anyio.Event()
+            names = {name for name in self._asked if name not in self._ahead}
+            self._asked = []
+            self._ahead.update(await anyio.to_thread.run_sync(self._make, names))
+
+    def _make(self, names: set[str]) -> dict[str, Cell]:
+        return {name: self.containment.cell(name) for name in names}
+
     async def prepare(self) -> None:
         """The last attempt's processes are all gone, or GroupError naming those still alive."""
         await self._settle("before the next attempt")
+
+    def workers_started(self) -> None:
+        emptied, self._emptied = self._emptied, []
+        for cell in emptied:
+            cell.remove()
+        self._started.set()
 
     async def aclose(self) -> None:
         try:
             await self._settle("at the group's end")
         except GroupError as e:
             log.warning("%s", e)
+        unused, self._ahead = list(self._ahead.values()), {}
+        for cell in [*self._emptied, *unused]:
+            cell.remove()
+        self._emptied = []
 
     async def _settle(self, when: str) -> None:
         cells, self.cells = self.cells, []
@@ -214,3 +186,4 @@ class AttemptCells(Feature):
                 f"group {self.group}: still alive {SETTLE_TIMEOUT:.0f} s after the kill "
                 f"{when}: {names}"
             )
+        self._emptied += cells

@@ -60,7 +60,7 @@ from watchdogd.groups.torch_wire import (
     Share,
     Shared,
 )
-from watchdogd.linux.parent import die_with_parent
+from watchdogd.linux.enter_cell import die_with_parent
 from watchdogd.linux.plugins import LOGS_SPECS_GROUP, load_entry_point, not_found
 from watchdogd_client.framing import FrameSplitter, frame
 

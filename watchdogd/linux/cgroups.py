@@ -20,18 +20,42 @@ no-internal-processes rule binds only cgroups with controllers on).
 
 ``cgroup.kill`` (kernel 5.14) kills every process of a cgroup and of those
 below, whatever session or process group it made; ``cgroup.events`` says
-``populated 0`` once they have all exited.
+``populated 0`` once they have all exited, and inotify tells when it
+changed (:func:`until_empty` waits so, re-reading it ever less often).
+
+A child moving into its cell takes the kernel's lock for moving processes
+between cgroups (``cgroup_threadgroup_rwsem``), which first waits for an RCU
+grace period (~13 ms on the development machine) when nobody took it for a
+while, holding ``cgroup_mutex`` meanwhile, which every mkdir, rmdir and
+``cgroup.kill`` takes too. So a job's writes run in a thread of their own
+(:class:`_Writer`), never on the event loop; and a killed cell, which means
+an attempt ended and new children will soon move, also takes that lock
+once there, while the last attempt is being stopped: the new children then
+wait only what is left of that grace period. (A host whose cgroup2 is
+mounted with ``favordynmods`` never makes a mover wait.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import itertools
+import logging
 import os
+import queue
 import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from watchdogd.linux.procs import read_stat
+import anyio
+
+from watchdogd.linux import keeper
+from watchdogd.linux.procs import read_stat, still_runs
 
 __all__ = [
     "CgroupCell",
@@ -40,8 +64,19 @@ __all__ = [
     "open_job_cgroup",
     "remove_stale",
     "sweep_stale",
+    "until_empty",
     "v2_mount",
 ]
+
+log = logging.getLogger("watchdogd.supervisor")
+
+_IN_MODIFY = 0x2
+_FIRST_RECHECK = 0.001
+_RECHECK = 0.1
+"""Reads of ``cgroup.events`` while waiting, at most this far apart, from 1 ms on: the kernel
+announces a change through a work queue (~3 ms late on a loaded machine) and at most every
+20 ms per file, while a killed process is mostly gone in well under 1 ms."""
+_KEEPER_STOP_TIMEOUT = 1.0
 
 _JOB = re.compile(r"watchdogd-(\d+)-(\d+)")
 
@@ -102,19 +137,35 @@ def _remove(path: Path) -> None:
             os.rmdir(directory)
 
 
-class CgroupCell:
-    """One child's cgroup: it and everything it starts."""
+def _at_once(write: Callable[[], None]) -> None:
+    write()
 
-    def __init__(self, path: Path) -> None:
+
+class CgroupCell:
+    """One child's cgroup: it and everything it starts.
+
+    ``write(op)`` runs its kill and its removal (at once, or handed to a
+    thread: :class:`_Writer`); ``killed()`` follows each kill.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        write: Callable[[Callable[[], None]], None] = _at_once,
+        killed: Callable[[], None] = lambda: None,
+    ) -> None:
         self.path = path
         self.procs: str | None = str(path / "cgroup.procs")
+        self._write = write
+        self._killed = killed
 
     def bind(self, pid: int) -> None:
         """The child is ``pid`` (it placed itself: nothing to do)."""
 
     def kill(self) -> None:
         """SIGKILL every process in it, whatever session each made."""
-        _kill(self.path)
+        self._write(partial(_kill, self.path))
+        self._killed()
 
     def alive(self) -> list[int]:
         """The pids still in it (none once ``populated 0``)."""
@@ -122,24 +173,187 @@ class CgroupCell:
 
     def remove(self) -> None:
         """rmdir, once empty (a cgroup with processes stays, and is swept with the job)."""
+        self._write(partial(_remove_quietly, self.path))
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        _remove(path)
+
+
+class _Writer:
+    """A thread for the cgroup writes of a running job: kills, removals, warm-ups.
+
+    Each takes the kernel's ``cgroup_mutex``, which a child moving into its
+    cell holds while it waits out the grace period: from the event loop, a
+    kill or an rmdir beside a restart's placements would stall the loop that
+    long. In order, one at a time; an error is the kernel's word that there
+    was nothing to do (gone, or not empty yet). :meth:`warm` moves this
+    process into the cgroup it already is in (``procs``): a move that changes
+    nothing, but takes the lock and so pays its grace period, once per burst
+    of kills.
+    """
+
+    def __init__(self, procs: Path) -> None:
+        self.procs = procs
+        self._ops: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._warm_queued = False
+        self._thread = threading.Thread(target=self._run, name="watchdogd-cgroups", daemon=True)
+        self._thread.start()
+
+    def __call__(self, op: Callable[[], None]) -> None:
+        self._ops.put(op)
+
+    def warm(self) -> None:
+        if not self._warm_queued:
+            self._warm_queued = True
+            self._ops.put(self._move_self)
+
+    def _move_self(self) -> None:
+        self._warm_queued = False
+        with open(self.procs, "w") as f:
+            f.write("0")
+
+    def _run(self) -> None:
+        while (op := self._ops.get()) is not None:
+            with contextlib.suppress(OSError):
+                op()
+
+    def close(self, timeout: float) -> None:
+        """Run what is queued, then stop (bounded)."""
+        self._ops.put(None)
+        self._thread.join(timeout)
+
+
+class JobCgroup:
+    """This daemon's cgroup of cgroups, named for its owner, with its keeper."""
+
+    mode = "cgroup"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._serial = itertools.count(1)
+        self._writer = _Writer(path.parent / "cgroup.procs")
+        self._keeper: subprocess.Popen[bytes] | None = None
+
+    def describe(self) -> str:
+        return f"cgroup v2 per worker, under {self.path}"
+
+    def cell(self, name: str) -> CgroupCell:
+        """A new cgroup for one child (``name`` made safe, and unique with a serial); from
+        any thread."""
+        safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
+        path = self.path / f"{safe}.{next(self._serial)}"
+        path.mkdir()
+        return CgroupCell(path, self._writer, self._writer.warm)
+
+    async def settle(self, cells: Sequence[Cell]) -> None:
+        """Kill what is left in ``cells`` and wait until they are empty (cancel to bound it;
+        the cells stay, for the caller to remove once empty)."""
+        await until_empty(cells)
+
+    async def alive(self, cells: Sequence[Cell]) -> list[int]:
+        """The pids still running in ``cells``."""
+        return [pid for cell in cells for pid in cell.alive()]
+
+    def start_keeper(self) -> None:
+        """The keeper (:mod:`watchdogd.linux.keeper`): kills the job if this process dies."""
+        self._keeper = subprocess.Popen(
+            [sys.executable, "-I", "-S", keeper.__file__, str(os.getpid()), str(self.path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def close(self) -> None:
+        """This process ends its job itself: the keeper stands down (bounded: one that does
+        not is killed), the job cgroup goes once empty."""
+        self._writer.close(_KEEPER_STOP_TIMEOUT)
+        keeper_process, self._keeper = self._keeper, None
+        if keeper_process is not None and keeper_process.stdin is not None:
+            try:
+                keeper_process.stdin.write(b"stop\n")
+                keeper_process.stdin.close()
+            except OSError:
+                pass
+            try:
+                keeper_process.wait(_KEEPER_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "the containment keeper (pid %d) did not stop: killed", keeper_process.pid
+                )
+                keeper_process.kill()
+                keeper_process.wait()
         with contextlib.suppress(OSError):
             _remove(self.path)
 
 
-class JobCgroup(CgroupCell):
-    """This daemon's cgroup of cgroups, named for its owner."""
+class Cell(Protocol):
+    """What :func:`until_empty` needs of a cell (``groups.child.Cell`` has it)."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self._serial = 0
+    procs: str | None
 
-    def cell(self, name: str) -> CgroupCell:
-        """A new cgroup for one child (``name`` made safe, and unique with a serial)."""
-        self._serial += 1
-        safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
-        path = self.path / f"{safe}.{self._serial}"
-        path.mkdir()
-        return CgroupCell(path)
+    def kill(self) -> None: ...
+
+    def alive(self) -> list[int]: ...
+
+
+class _Changes:
+    """inotify on some cells' ``cgroup.events``: readable once one of them changed."""
+
+    def __init__(self, cells: Sequence[Cell]) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"inotify_init1: {os.strerror(errno)}")
+        for cell in cells:
+            if cell.procs is not None:
+                events = os.path.join(os.path.dirname(cell.procs), "cgroup.events")
+                # A cell gone already (-1, ENOENT) has nothing left to announce.
+                libc.inotify_add_watch(self.fd, os.fsencode(events), _IN_MODIFY)
+
+    async def wait(self) -> None:
+        """Until one of them changed."""
+        await anyio.wait_readable(self.fd)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.fd, 4096):
+                pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+async def until_empty(cells: Sequence[Cell]) -> None:
+    """Kill what is left in ``cells`` and wait until none of it runs (cancel to bound it).
+
+    Cells already empty (the common case: each was killed as its child exited)
+    cost one read each, and no wait.
+    """
+    if not _kill_left(cells):
+        return
+    changes = _Changes(cells)
+    try:
+        left = _kill_left(cells)  # again, now that every change is seen
+        recheck = _FIRST_RECHECK
+        while left:
+            with anyio.move_on_after(recheck):
+                await changes.wait()
+            recheck = min(recheck * 2, _RECHECK)
+            left = [pid for cell in cells for pid in cell.alive()]
+    finally:
+        changes.close()
+
+
+def _kill_left(cells: Sequence[Cell]) -> list[int]:
+    """Kill each cell that still has processes: their pids."""
+    left = []
+    for cell in cells:
+        alive = cell.alive()
+        if alive:
+            cell.kill()
+            left += alive
+    return left
 
 
 def open_job_cgroup() -> JobCgroup:
@@ -162,13 +376,6 @@ class Stale(NamedTuple):
     pids: list[int]
 
 
-def _owner_alive(pid: int, start_time: int) -> bool:
-    try:
-        return read_stat(pid).start_time == start_time
-    except ProcessLookupError:
-        return False
-
-
 def sweep_stale() -> list[Stale]:
     """Kill and remove the job cgroups beside ours whose owner is gone (none if no v2)."""
     try:
@@ -179,7 +386,7 @@ def sweep_stale() -> list[Stale]:
     found = []
     for entry in entries:
         match = _JOB.fullmatch(entry.name)
-        if match is None or _owner_alive(int(match[1]), int(match[2])):
+        if match is None or still_runs(int(match[1]), int(match[2])):
             continue
         pids = _members(entry)
         _kill(entry)

@@ -23,7 +23,9 @@ with ``-I -S``)::
 fallback); ``PARENT_PID`` the daemon's pid (``-``: no parent check). Then it
 ``execvp`` s the program, which keeps both (a setuid program drops the
 parent-death signal). Spares and callable workers call :func:`enter` from
-project code instead.
+project code instead, and the daemon's own helpers :func:`die_with_parent`.
+This file also holds the project's one :func:`prctl` wrapper, since it must
+run without the package.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ import shutil
 import signal
 import sys
 
-__all__ = ["enter", "shim_command"]
+__all__ = ["PR_SET_CHILD_SUBREAPER", "die_with_parent", "enter", "prctl", "shim_command"]
 
 _PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 
 
 _SETPRIV = shutil.which("setpriv")
@@ -68,11 +71,23 @@ def enter(procs: str | None, parent: int | None) -> None:
     if procs is not None:
         with open(procs, "w") as f:
             f.write("0")
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    die_with_parent(parent)
+
+
+def die_with_parent(parent: int | None) -> None:
+    """SIGKILL this process when the thread that forked it exits; exits at once if
+    ``parent`` (None: no check) is no longer its parent, since the request came too late."""
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent is not None and os.getppid() != parent:
-        os._exit(128 + signal.SIGKILL)  # the parent died before the request: as it would have
+        os._exit(128 + signal.SIGKILL)  # as the signal would have
+
+
+def prctl(option: int, value: int) -> None:
+    """``prctl(option, value)``; OSError naming the option if the kernel refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl({option}): {os.strerror(errno)}")
 
 
 def _main(argv: list[str]) -> None:

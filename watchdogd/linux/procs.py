@@ -25,6 +25,7 @@ __all__ = [
     "open_process",
     "read_rss",
     "read_stat",
+    "still_runs",
 ]
 
 _PF_KTHREAD = 0x00200000
@@ -73,6 +74,16 @@ def read_stat(pid: int) -> Stat:
     """Fields of ``/proc/PID/stat``; ProcessLookupError if there is no such process."""
     fields = stat_fields(pid)
     return Stat(fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]), int(fields[3]))
+
+
+def still_runs(pid: int, start_time: int) -> bool:
+    """Whether the process ``pid`` that started at ``start_time`` (``/proc/PID/stat``
+    field 22) still runs: not a zombie, and not a later process given its number."""
+    try:
+        now = read_stat(pid)
+    except ProcessLookupError:
+        return False
+    return now.start_time == start_time and now.state not in ("Z", "X")
 
 
 def catches_signal(pid: int, signum: int) -> bool:

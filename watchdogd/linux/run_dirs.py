@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from watchdogd.linux.procs import read_stat
+from watchdogd.linux.procs import read_stat, still_runs
 
 __all__ = ["RUN_DIR_PREFIX", "Owner", "make_run_dir", "sweep", "tidy"]
 
@@ -50,11 +50,7 @@ class Owner(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def runs(self) -> bool:
         """Whether the owner still runs (not a zombie, not a later process with its pid)."""
-        try:
-            now = read_stat(self.pid)
-        except ProcessLookupError:
-            return False
-        return now.start_time == self.start_time and now.state not in ("Z", "X")
+        return still_runs(self.pid, self.start_time)
 
 
 def make_run_dir(parent: Path | None = None) -> Path:

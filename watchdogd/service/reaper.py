@@ -52,7 +52,7 @@ from watchdogd.core.flight_recorder import Recorder
 from watchdogd.core.ports import EventSink, Metadata, Supervision
 from watchdogd.core.timers import Timer
 from watchdogd.linux import flight_recorder
-from watchdogd.linux.procs import ProcessHandle, read_stat
+from watchdogd.linux.procs import ProcessHandle, still_runs
 from watchdogd.linux.stacks import (
     DumpInfo,
     FaulthandlerCaptures,
@@ -386,12 +386,7 @@ class Reaper:
 
     @staticmethod
     def _still_same(handle: ProcessHandle) -> bool:
-        if handle.exited():
-            return False
-        try:
-            return read_stat(handle.pid).start_time == handle.start_time
-        except ProcessLookupError:
-            return False
+        return not handle.exited() and still_runs(handle.pid, handle.start_time)
 
     def _send(self, timer: Timer, handle: ProcessHandle | None) -> float | str:
         """Send the timer's signal, count it, arm its escalation: how late it went out (s),
