@@ -8,6 +8,9 @@ fallback of sessions and ``/proc`` (:mod:`watchdogd.linux.sessions`), with
 the daemon as the child subreaper, and ``watchdogctl status`` and the
 start-up log say so, and why. Opening it also ends what a dead daemon left
 (the job cgroups whose owner is gone), with a ``stale_cgroups_removed`` event.
+Where a memory controller may be written, each cell also has a memory cgroup
+(:mod:`watchdogd.groups.cell_memory`): the OOM killer's count, the peak, a
+group's ``worker_memory_max``.
 
 Each group has an :class:`AttemptCells` feature: a cell per child (a worker,
 a spare), into which the child places itself before user code
@@ -32,9 +35,10 @@ from pathlib import Path
 import anyio
 
 from watchdogd.core.ports import EventSink, GroupError
+from watchdogd.groups.cell_memory import with_memory
 from watchdogd.groups.child import Cell
 from watchdogd.groups.features import Feature
-from watchdogd.linux import cgroups, keeper, sessions
+from watchdogd.linux import cgroups, keeper, memory_cgroups, sessions
 from watchdogd.linux.procs import read_stat
 
 __all__ = ["SETTLE_TIMEOUT", "AttemptCells", "Containment"]
@@ -50,9 +54,18 @@ _POLL = 0.005
 class Containment:
     """How this daemon's children are contained: ``cgroup`` or the weaker ``session``."""
 
-    def __init__(self, job: cgroups.JobCgroup | None, reason: str) -> None:
+    def __init__(
+        self,
+        job: cgroups.JobCgroup | None,
+        reason: str,
+        memory: memory_cgroups.MemoryJob | None = None,
+        memory_reason: str = "",
+    ) -> None:
         self.job = job
         self.reason = reason
+        self.memory = memory
+        """Where each cell's memory cgroup is made (None: no memory controller)."""
+        self.memory_reason = memory_reason
         self.parent = os.getpid()
         self.known: set[int] = set()
         """The children this daemon started as workers and spares (the fallback's sweep
@@ -65,9 +78,10 @@ class Containment:
 
     def describe(self) -> str:
         """For ``watchdogctl status`` and the start-up log."""
+        memory = self.memory.describe() if self.memory else f"no memory ({self.memory_reason})"
         if self.job is not None:
-            return f"cgroup v2 per worker, under {self.job.path}"
-        return f"weaker: sessions and /proc, no cgroup ({self.reason})"
+            return f"cgroup v2 per worker, under {self.job.path}; {memory}"
+        return f"weaker: sessions and /proc, no cgroup ({self.reason}); {memory}"
 
     @classmethod
     async def open(cls, events: EventSink, *, cgroups_allowed: bool = True) -> Containment:
@@ -77,6 +91,8 @@ class Containment:
             cells = [cgroups.CgroupCell(Path(s.path)) for s in stale]
             await _until_gone(lambda: [pid for cell in cells for pid in cell.alive()])
             cgroups.remove_stale(stale)
+        stale += memory_cgroups.sweep_stale()  # emptied by the v2 kill just now
+        if stale:
             events.emit(
                 "stale_cgroups_removed",
                 cgroups=" ".join(s.path for s in stale),
@@ -89,7 +105,12 @@ class Containment:
                 job = cgroups.open_job_cgroup()
             except OSError as e:
                 reason = f"cgroup v2 cannot be written: {e.strerror or e}"
-        containment = cls(job, reason)
+        memory, memory_reason = None, ""
+        try:
+            memory = memory_cgroups.open_memory_job(job.path if job is not None else None)
+        except OSError as e:
+            memory_reason = f"no memory cgroup can be written: {e.strerror or e}"
+        containment = cls(job, reason, memory, memory_reason)
         if job is None:
             sessions.become_subreaper()
             log.warning("process containment is %s", containment.describe())
@@ -106,11 +127,13 @@ class Containment:
             start_new_session=True,
         )
 
-    def cell(self, name: str) -> Cell:
-        """A new cell for one child."""
-        if self.job is None:
-            return sessions.SessionCell(self.known)
-        return self.job.cell(name)
+    def cell(self, name: str, memory_max: int | None = None) -> Cell:
+        """A new cell for one child, its memory capped at ``memory_max`` bytes (None: no
+        cap; one that cannot be set is an OSError)."""
+        cell = sessions.SessionCell(self.known) if self.job is None else self.job.cell(name)
+        if self.memory is None:
+            return cell
+        return with_memory(cell, self.memory, name, memory_max)
 
     def leftovers(self, cells: list[Cell]) -> list[int]:
         """Kill what is left in ``cells`` (and, in the fallback, orphans adopted since the
@@ -145,6 +168,8 @@ class Containment:
             self._keeper.wait()
         if self.job is not None:
             self.job.remove()
+        if self.memory is not None:
+            self.memory.remove()
 
 
 async def _until_gone(alive: Callable[[], list[int]]) -> list[int]:
@@ -179,22 +204,36 @@ def _comm(pid: int) -> str:
 class AttemptCells(Feature):
     """A group's cells: the current attempt's; killed and awaited before the next one."""
 
-    def __init__(self, containment: Containment, group: str, events: EventSink) -> None:
+    def __init__(
+        self,
+        containment: Containment,
+        group: str,
+        events: EventSink,
+        memory_max: int | None = None,
+    ) -> None:
+        """``memory_max``: each child's memory cap, in bytes (the spec's ``worker_memory_max``)."""
         self.containment = containment
         self.group = group
         self.events = events
+        self.memory_max = memory_max
         self.cells: list[Cell] = []
 
     def cell(self, name: str) -> Cell:
         """A new cell for a child of this group (a spare's stays the pool's until it works)."""
-        return self.containment.cell(f"{self.group}.{name}")
+        return self.containment.cell(f"{self.group}.{name}", self.memory_max)
 
     def join(self, cell: Cell) -> None:
         """``cell`` holds a worker of the current attempt."""
         self.cells.append(cell)
 
     async def prepare(self) -> None:
-        """The last attempt's processes are all gone, or GroupError naming those still alive."""
+        """The last attempt's processes are all gone, or GroupError naming those still alive
+        (or saying why ``worker_memory_max`` cannot be honoured)."""
+        if self.memory_max is not None and self.containment.memory is None:
+            raise GroupError(
+                f"group {self.group}: worker_memory_max cannot be set: "
+                f"{self.containment.memory_reason}"
+            )
         await self._settle("before the next attempt")
 
     async def aclose(self) -> None:

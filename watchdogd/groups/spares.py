@@ -170,8 +170,9 @@ class SparePool:
             "-m",
             "watchdogd.groups.spare",
             str(theirs.fileno()),
-            cell.procs or "-",
             str(os.getpid()),
+            *cell.procs,
+            "--",
             *self.modules,
         ]
         cpus = self.cpus.get(local_rank) if self.cpus is not None else None

@@ -105,9 +105,11 @@ def _remove(path: Path) -> None:
 class CgroupCell:
     """One child's cgroup: it and everything it starts."""
 
+    memory = None  # none of its own: groups.cell_memory adds one
+
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.procs: str | None = str(path / "cgroup.procs")
+        self.procs: tuple[str, ...] = (str(path / "cgroup.procs"),)
 
     def bind(self, pid: int) -> None:
         """The child is ``pid`` (it placed itself: nothing to do)."""

@@ -185,6 +185,16 @@ class Metrics(Collector):
             "Nodes waiting to join the group's job (a scale-up restart is coming).",
             labels=["group"],
         )
+        peak = GaugeMetricFamily(
+            "watchdogd_worker_memory_peak_bytes",
+            "The most memory a worker's cell held at once (where it has a memory cgroup).",
+            labels=["group", "rank"],
+        )
+        oom = CounterMetricFamily(
+            "watchdogd_worker_oom_kills",
+            "Processes of a group's workers' cells the kernel's OOM killer ended.",
+            labels=["group"],
+        )
         for info in self.infos():
             left.add_metric([info.name], info.restarts_left)
             rdzv = info.rendezvous
@@ -192,7 +202,11 @@ class Metrics(Collector):
                 round_.add_metric([info.name], rdzv.round)
             if rdzv is not None:
                 waiting.add_metric([info.name], rdzv.waiting)
-        yield from (left, round_, waiting)
+            for worker in info.workers:
+                if worker.memory_peak_bytes is not None:
+                    peak.add_metric([info.name, str(worker.rank)], worker.memory_peak_bytes)
+            oom.add_metric([info.name], info.oom_kills)
+        yield from (left, round_, waiting, peak, oom)
 
     def _stragglers(self) -> Iterator[Metric]:
         board = self.stragglers
