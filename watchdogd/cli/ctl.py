@@ -229,8 +229,7 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
             for w in sorted(group.workers, key=lambda w: w.local_rank)
         )
         spares = " ".join(
-            f"{s.local_rank}:{s.pid}{'' if s.ready else ' warming'}"
-            + _mib(s.rss_bytes)
+            f"{s.local_rank}:{s.pid}{'' if s.ready else ' warming'}" + _mib(s.rss_bytes)
             for s in group.spares
         )
         failure = group.last_failure

@@ -33,6 +33,7 @@ class Cell(Protocol):
     procs: tuple[str, ...]
     """The ``cgroup.procs`` files the child writes ``0`` to before user code, in order
     (its v2 cgroup's, then a v1 memory cgroup's; none: no cgroup)."""
+
     @property
     def memory(self) -> Memory | None:
         """Its memory cgroup: the OOM killer's count, its peak (None: no memory controller)."""
