@@ -94,3 +94,9 @@ def leaves_children(marker: str, out_dir: str) -> int:
         )
         Path(out_dir, f"child-{child.pid}").touch()
     return int(os.environ["RANK"])
+
+
+def allocates(megabytes: int) -> int:
+    """Touch ``megabytes`` of memory, page by page (a cap makes the OOM killer end it)."""
+    block = bytearray(megabytes << 20)
+    return len(block)

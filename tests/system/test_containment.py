@@ -210,7 +210,7 @@ def test_the_shim_asks_for_the_parent_death_signal_then_runs_the_program(
         "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
     )
     out = subprocess.run(
-        enter_cell.shim_command(None, [sys.executable, "-c", probe]),
+        enter_cell.shim_command((), [sys.executable, "-c", probe]),
         capture_output=True,
         text=True,
         timeout=30,
