@@ -116,7 +116,7 @@ def test_the_next_run_removes_a_dead_agents_memory_cgroups(tmp_path: Path) -> No
         pytest.skip("memory is accounted in the v2 cells here: no v1 memory cgroup to leave")
     agent = subprocess.Popen(["watchdogd", "run", "--", "sleep", "300"], stderr=subprocess.DEVNULL)
     try:
-        wait_until(lambda: list(mine.glob(f"watchdogd-{agent.pid}-*/default.*")) != [], timeout=30)
+        wait_until(lambda: list(mine.glob(f"watchdogd-{agent.pid}-*/default_*")) != [], timeout=30)
     finally:
         agent.kill()
         agent.wait()
