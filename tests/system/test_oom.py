@@ -14,13 +14,17 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from urllib.request import urlopen
 
+import anyio
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd.launcher import LaunchConfig, child_failed, run_launch
 from watchdogd.linux import cgroups, memory_cgroups
+from watchdogd_client.groups import GroupSpec
 
-from ..conftest import wait_until
+from ..conftest import running_daemon, wait_until
 from ..conftest import watchdogd_run as run
 from . import launch_workers as workers
 
@@ -126,3 +130,35 @@ def test_the_next_run_removes_a_dead_agents_memory_cgroups(tmp_path: Path) -> No
     assert out.returncode == 0, out.stderr
     assert str(left[0]) in out.stderr  # the stale_cgroups_removed event names it
     assert not left[0].exists()
+
+
+@pytest.mark.anyio
+async def test_each_ranks_peak_and_the_oom_kills_are_exported(short_dir: Path) -> None:
+    # Attempt 0 allocates past the cap; attempt 1 runs on, its peak growing from zero.
+    code = "import os, time\nif os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+    code += "    bytearray(200 << 20)\ntime.sleep(60)\n"
+    spec = GroupSpec(
+        name="g",
+        entrypoint=[sys.executable, "-c", code],
+        max_restarts=1,
+        worker_memory_max=50 << 20,
+    )
+    async with running_daemon(short_dir, metrics_listen="127.0.0.1:0", stack_dumps="off") as d:
+        assert d.http_address is not None
+        url = "http://{}:{}/metrics".format(*d.http_address)
+        d.supervisor.submit(spec)
+
+        async def scrape() -> dict[str, float]:
+            text = await anyio.to_thread.run_sync(lambda: urlopen(url).read().decode())
+            return {
+                f"{sample.name}{sorted(sample.labels.items())}": sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+            }
+
+        oom = "watchdogd_worker_oom_kills_total[('group', 'g')]"
+        peak = "watchdogd_worker_memory_peak_bytes[('group', 'g'), ('rank', '0')]"
+        with anyio.fail_after(30):
+            while (samples := await scrape()).get(oom) != 1 or peak not in samples:
+                await anyio.sleep(0.05)
+        assert 0 < samples[peak] < 50 << 20  # attempt 1's, not attempt 0's
