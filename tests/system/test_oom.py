@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd.launcher import LaunchConfig, child_failed, run_launch
-from watchdogd.linux import cgroups, memory_cgroups
+from watchdogd.linux import cgroups, enter_cell, memory_cgroups
 from watchdogd_client.groups import GroupSpec
 
 from ..conftest import running_daemon, wait_until
@@ -162,3 +162,23 @@ async def test_each_ranks_peak_and_the_oom_kills_are_exported(short_dir: Path) -
             while (samples := await scrape()).get(oom) != 1 or peak not in samples:
                 await anyio.sleep(0.05)
         assert 0 < samples[peak] < 50 << 20  # attempt 1's, not attempt 0's
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["setpriv", "python-shim"])
+def test_the_shim_enters_every_cgroup_of_the_cell_before_the_program(
+    tmp_path: Path, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Plain files stand in for the v2 cell's and the v1 memory cgroup's cgroup.procs.
+    if native and enter_cell._SETPRIV is None:
+        pytest.skip("no setpriv (util-linux) on this machine: the Python shim serves")
+    if not native:
+        monkeypatch.setattr(enter_cell, "_SETPRIV", None)
+    procs = (str(tmp_path / "v2.procs"), str(tmp_path / "memory.procs"))
+    probe = "import sys; print(' '.join(open(p).read().strip() for p in sys.argv[1:3]))"
+    out = subprocess.run(
+        enter_cell.shim_command(procs, [sys.executable, "-c", probe, *procs, "--", "x"]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, "0 0"), out.stderr
