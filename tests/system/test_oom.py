@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -46,7 +47,7 @@ def _no_memory_cgroup() -> str | None:
 
 
 _WHY_NOT = _no_memory_cgroup()
-pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=_WHY_NOT or "")
+needs_memory = pytest.mark.skipif(_WHY_NOT is not None, reason=_WHY_NOT or "")
 
 # Attempt 0: rank 1 allocates past the cap. Attempt 1: rank 0 asks watchdogctl about the
 # group, then rank 1 allocates past the cap again, and the group fails.
@@ -69,6 +70,7 @@ block = bytearray(200 << 20)
 """
 
 
+@needs_memory
 def test_a_worker_past_its_memory_cap_is_reported_killed_by_the_oom_killer(
     tmp_path: Path,
 ) -> None:
@@ -96,6 +98,7 @@ def test_a_worker_past_its_memory_cap_is_reported_killed_by_the_oom_killer(
     assert "): killed by the OOM killer" in out.stderr  # the error summary's rank line
 
 
+@needs_memory
 def test_a_callable_past_its_memory_cap_fails_with_the_oom_killer_named() -> None:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, max_restarts=0, run_id="t")
     result = run_launch(config, workers.allocates, [200], worker_memory_max="50M")
@@ -105,6 +108,7 @@ def test_a_callable_past_its_memory_cap_fails_with_the_oom_killer_named() -> Non
     assert "killed by the OOM killer" in message, message
 
 
+@needs_memory
 def test_a_worker_sigkilled_otherwise_is_not_reported_as_oom_killed() -> None:
     out = run("--", sys.executable, "-c", "import os; os.kill(os.getpid(), 9)")
     assert out.returncode == 1, out.stderr
@@ -112,6 +116,7 @@ def test_a_worker_sigkilled_otherwise_is_not_reported_as_oom_killed() -> None:
     assert "OOM" not in out.stderr
 
 
+@needs_memory
 def test_the_next_run_removes_a_dead_agents_memory_cgroups(tmp_path: Path) -> None:
     mine = memory_cgroups.v1_memory_dir(
         Path("/proc/self/mountinfo").read_text(), Path("/proc/self/cgroup").read_text()
@@ -132,6 +137,7 @@ def test_the_next_run_removes_a_dead_agents_memory_cgroups(tmp_path: Path) -> No
     assert not left[0].exists()
 
 
+@needs_memory
 @pytest.mark.anyio
 async def test_each_ranks_peak_and_the_oom_kills_are_exported(short_dir: Path) -> None:
     # Attempt 0 allocates past the cap; attempt 1 runs on, its peak growing from zero.
@@ -182,3 +188,18 @@ def test_the_shim_enters_every_cgroup_of_the_cell_before_the_program(
         timeout=30,
     )
     assert (out.returncode, out.stdout.strip()) == (0, "0 0"), out.stderr
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare: the memory hierarchy is made read-only in a mount namespace",
+)
+def test_a_cap_where_no_memory_cgroup_can_be_written_fails_the_group_saying_why() -> None:
+    remount = "mount -o remount,ro,bind /sys/fs/cgroup/memory 2>/dev/null; "
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", remount + 'exec watchdogd run "$@"', "sh",
+         "--worker-memory-max", "50M", "--", "true"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "worker_memory_max cannot be set: no memory cgroup can be written" in out.stderr

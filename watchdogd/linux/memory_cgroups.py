@@ -189,7 +189,10 @@ def _own_v1_dir() -> Path:
         Path("/proc/self/mountinfo").read_text(), Path("/proc/self/cgroup").read_text()
     )
     if found is None:
-        raise OSError("no memory controller: v2 does not offer it, and no v1 memory mount")
+        raise OSError(
+            "no memory controller: cgroup v2 does not offer one, and no v1 memory "
+            "hierarchy is mounted read-write"
+        )
     return found
 
 
