@@ -120,8 +120,11 @@ class Containment:
 
     def _start_keeper(self) -> None:
         assert self.job is not None
+        jobs = [str(self.job.path)]
+        if self.memory is not None:
+            jobs += [str(path) for path in self.memory.own_dirs()]
         self._keeper = subprocess.Popen(
-            [sys.executable, "-I", "-S", keeper.__file__, str(self.parent), str(self.job.path)],
+            [sys.executable, "-I", "-S", keeper.__file__, str(self.parent), *jobs],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,

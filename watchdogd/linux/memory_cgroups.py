@@ -147,6 +147,10 @@ class MemoryJob:
                 raise
         return memory
 
+    def own_dirs(self) -> list[Path]:
+        """The directories it made beside the v2 job (v1's), for the keeper to remove."""
+        return [self.path] if self.files is V1 else []
+
     def remove(self) -> None:
         """rmdir the v1 job and what is left below it, once empty."""
         if self.files is V1:
@@ -235,8 +239,9 @@ def _pids(path: Path) -> list[int]:
 
 def sweep_stale() -> list[Stale]:
     """Remove the v1 memory jobs beside ours whose owner is gone (after the v2 sweep
-    killed their processes; in the session fallback, what is still in one is SIGKILLed
-    through a pidfd, and a job not yet empty waits for the next sweep)."""
+    killed their processes); those that still held processes (the session fallback's
+    orphans, SIGKILLed here through a pidfd; a job not yet empty waits for the next
+    sweep)."""
     try:
         base = _own_v1_dir()
         entries = list(base.iterdir())
@@ -256,5 +261,6 @@ def sweep_stale() -> list[Stale]:
                 finally:
                     pinned.close()
         MemoryJob(entry, V1).remove()
-        found.append(Stale(str(entry), owner, pids))
+        if pids:  # an empty one is housekeeping: its processes were reported, or never left
+            found.append(Stale(str(entry), owner, pids))
     return found
