@@ -242,10 +242,9 @@ class GroupRunner:
                     rank=w.rank,
                     pid=w.pid,
                     exitcode=w.exitcode,
-                    memory_peak_bytes=memory.peak_bytes if memory is not None else None,
+                    memory_peak_bytes=w.memory_peak(),
                 )
                 for w in self.workers.values()
-                for memory in [w.read_memory()]
             ],
             last_failure=self.last_failure,
             rendezvous=self.rendezvous.info(),

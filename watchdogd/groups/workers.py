@@ -83,6 +83,11 @@ class Worker:
         memory = self.child.cell.memory if self.child.cell is not None else None
         return memory.read() if memory is not None else None
 
+    def memory_peak(self) -> int | None:
+        """The most memory its cell held at once, in bytes (None: unknown)."""
+        memory = self.read_memory()
+        return memory.peak_bytes if memory is not None else None
+
 
 class WorkerIndex:
     """The workers this daemon launched, by pid: the timer service's ``Supervision`` port.
