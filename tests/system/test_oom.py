@@ -139,12 +139,12 @@ def test_a_dead_agents_memory_cgroups_are_removed(keeper_killed: bool) -> None:
     agent = subprocess.Popen(["watchdogd", "run", "--", "sleep", "300"], stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: list(mine.glob(f"watchdogd-{agent.pid}-*/default_*")) != [], timeout=30)
+        [job] = mine.glob(f"watchdogd-{agent.pid}-*")
         if keeper_killed:
             os.kill(_keeper_of(agent.pid), signal.SIGKILL)
     finally:
         agent.kill()
         agent.wait()
-    [job] = mine.glob(f"watchdogd-{agent.pid}-*")
     if not keeper_killed:  # it emptied the v2 job: the same processes, so this one too
         wait_until(lambda: not job.exists(), timeout=15)
         return
