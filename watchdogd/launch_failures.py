@@ -120,14 +120,17 @@ def _torch_errors() -> tuple[Any, Any]:
 
 
 def process_failures(failures: list[Failure]) -> dict[int, Any]:
-    """torch's ``ProcessFailure`` of each failed worker, by global rank."""
+    """torch's ``ProcessFailure`` of each failed worker, by global rank; where the OOM
+    killer struck, a message that is a signal's line (no error file) says so."""
     failure_type, _ = _torch_errors()
-    return {
-        f.rank: failure_type(
+    found = {}
+    for f in failures:
+        found[f.rank] = process = failure_type(
             local_rank=f.local_rank, pid=f.pid, exitcode=f.exitcode, error_file=f.error_file or ""
         )
-        for f in failures
-    }
+        if f.oom_kills and isinstance(process.message, str) and f.exitcode < 0:
+            process.message += f": {f.reason}"
+    return found
 
 
 def child_failed(name: str, failures: list[Failure]) -> Exception:

@@ -61,6 +61,7 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
 JobKey = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,128}$")]
+MemoryBytes = Annotated[int, msgspec.Meta(ge=1 << 20)]
 
 
 FaultKind = Literal["hang", "sigstop", "kill", "exit", "slow"]
@@ -264,6 +265,11 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     gpu_release_timeout: NonNegativeSeconds = 30.0
     """Before a restart, how long to wait for the last attempt's processes to give their
     GPU memory back (NVML; 0: don't wait)."""
+    worker_memory_max: MemoryBytes | None = None
+    """Each worker's memory cap in bytes, with all it starts (its memory cgroup's
+    ``memory.max`` or v1 ``memory.limit_in_bytes``; swap not counted); past it the
+    kernel's OOM killer ends a process of that rank. None: no cap. A group that asks
+    for one where no memory cgroup can be written does not start."""
     idle_timeout: Seconds | None = None
     """A worker that holds no timer this long, after its first one, is treated as hung:
     the daemon arms the timer ``(idle)`` on it whenever it holds none (None: off)."""
@@ -306,6 +312,9 @@ class Failure(msgspec.Struct, kw_only=True):
     reason: str
     error_file: str | None = None
     error_message: str | None = None
+    oom_kills: int = 0
+    """Processes of the worker's cell the kernel's OOM killer ended (the worker among
+    them when ``reason`` says "killed by the OOM killer")."""
     timestamp: float
 
 
@@ -314,6 +323,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     rank: int
     pid: int
     exitcode: int | None = None
+    memory_peak_bytes: int | None = None
+    """The most memory its cell held at once (None: no memory cgroup)."""
 
 
 class SpareInfo(msgspec.Struct, kw_only=True):
@@ -337,3 +348,5 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     spares: list[SpareInfo] = []
     started_at: float
     """Wall-clock time of the first attempt."""
+    oom_kills: int = 0
+    """Processes of its workers' cells the kernel's OOM killer ended, over all attempts."""

@@ -99,3 +99,9 @@ def leaves_children(marker: str, out_dir: str, hang: bool = False) -> int:
         Path(out_dir, f"worker-{os.getpid()}").touch()
         time.sleep(300)
     return int(os.environ["RANK"])
+
+
+def allocates(megabytes: int) -> int:
+    """Touch ``megabytes`` of memory, page by page (a cap makes the OOM killer end it)."""
+    block = bytearray(megabytes << 20)
+    return len(block)

@@ -158,7 +158,8 @@ def test_a_killed_launcher_takes_its_callables_along(tmp_path: Path, marker: str
     # Row 3 under the launcher: SIGKILL the process running elastic_launch while its
     # 2 callable workers run, each with a setsid'd child and one in its own session.
     root = Path(__file__).parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ["PYTHONPATH"]])}
+    path = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     command = [sys.executable, "-c", AGENT, marker, str(tmp_path)]
     with subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL) as agent:
         try:
@@ -255,7 +256,7 @@ def test_the_shim_asks_for_the_parent_death_signal_then_runs_the_program(
         "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
     )
     out = subprocess.run(
-        enter_cell.shim_command(None, [sys.executable, "-c", probe]),
+        enter_cell.shim_command((), [sys.executable, "-c", probe]),
         capture_output=True,
         text=True,
         timeout=30,

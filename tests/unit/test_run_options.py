@@ -290,6 +290,21 @@ def test_the_no_progress_limit_and_step_scope_from_either_front(tmp_path: Path) 
     assert caught.value.field == "max_no_progress_restarts"
 
 
+def test_a_workers_memory_cap_from_either_front_in_bytes(tmp_path: Path) -> None:
+    assert group_spec(cli(), host(tmp_path)).worker_memory_max is None
+    flagged = cli("--worker-memory-max", "50M")
+    assert group_spec(flagged, host(tmp_path)).worker_memory_max == 50 << 20
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1)
+    options = launch_options(config, ["prog"], worker_memory_max=2 << 30)
+    assert group_spec(options, host(tmp_path)).worker_memory_max == 2 << 30
+    with pytest.raises(OptionsError) as caught:
+        run_options({"worker_memory_max": "50 MB"})
+    assert caught.value.field == "worker_memory_max"
+    with pytest.raises(OptionsError) as caught:  # below what an interpreter needs to start
+        group_spec(run_options({"script": "t.py", "worker_memory_max": "4K"}), host(tmp_path))
+    assert caught.value.field == "worker_memory_max"
+
+
 # -- the daemon's config: every change checked ------------------------------------------
 
 

@@ -209,6 +209,10 @@ def _fenced(since: float | None) -> str:
     return f"; FENCED since {when} ({time.time() - since:.0f} s): cut off from the rendezvous"
 
 
+def _mib(size: int | None) -> str:
+    return f" {size / 2**20:.0f}MiB" if size is not None else ""
+
+
 def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
     """List worker groups: state, attempt, restarts left, workers, spares, failure, stragglers."""
     groups = client.list_groups()
@@ -225,11 +229,11 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
     rows = []
     for group in groups:
         workers = " ".join(
-            f"{w.local_rank}:{w.pid}" for w in sorted(group.workers, key=lambda w: w.local_rank)
+            f"{w.local_rank}:{w.pid}" + _mib(w.memory_peak_bytes)
+            for w in sorted(group.workers, key=lambda w: w.local_rank)
         )
         spares = " ".join(
-            f"{s.local_rank}:{s.pid}{'' if s.ready else ' warming'}"
-            + (f" {s.rss_bytes / 2**20:.0f}MiB" if s.rss_bytes is not None else "")
+            f"{s.local_rank}:{s.pid}{'' if s.ready else ' warming'}" + _mib(s.rss_bytes)
             for s in group.spares
         )
         failure = group.last_failure
@@ -245,8 +249,8 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
                 " ".join(str(rank) for rank in sorted(stragglers.get(group.name, ()))),
             )
         )
-    headers = ["GROUP", "STATE", "ATTEMPT", "RESTARTS LEFT", "RANK:PID", "SPARES (RANK:PID RSS)",
-               "LAST FAILURE", "STRAGGLERS"]  # fmt: skip
+    headers = ["GROUP", "STATE", "ATTEMPT", "RESTARTS LEFT", "RANK:PID PEAK",
+               "SPARES (RANK:PID RSS)", "LAST FAILURE", "STRAGGLERS"]  # fmt: skip
     print(tabulate(rows, headers=headers))
 
 

@@ -174,6 +174,9 @@ def add_run_arguments(
     flag("--process-containment", choices=("auto", "session"),
           help="auto: a cgroup v2 per worker where the hierarchy may be written, else the "
           "weaker session mode; session: always the weaker mode (default auto)")  # fmt: skip
+    flag("--worker-memory-max", metavar="SIZE",
+          help="cap each worker's memory, with all it starts (bytes, or 50M, 2G); past "
+          "it the OOM killer ends it, and its failure says so (default: none)")  # fmt: skip
     flag("--logs-specs", metavar="NAME",
           help="where workers' logs go: torch's 'default' (watchdogd's own layout), or a "
           "LogsSpecs class named in entry point group torchrun.logs_specs")  # fmt: skip

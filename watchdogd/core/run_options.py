@@ -22,6 +22,7 @@ Rules:
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ __all__ = [
     "default_shutdown_timeout",
     "group_spec",
     "handled_signals",
+    "memory_bytes",
     "parse_nnodes",
     "run_options",
     "unread_rdzv_conf",
@@ -144,12 +146,17 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     straggler_publish_interval: float | None = None
     process_containment: Literal["auto", "session"] | None = None
     """None: the config's (``auto``)."""
+    worker_memory_max: int | str | None = None
+    """Each worker's memory cap: bytes, or a size such as ``50M`` (K, M, G, T: powers of
+    1024, as the kernel reads them); None: no cap."""
 
     def __post_init__(self) -> None:
         # Raised as "field: message" so that run_options() can tell the field.
         if self.min_nodes > self.max_nodes:
             raise ValueError(f"min_nodes: {self.min_nodes} is above max_nodes {self.max_nodes}")
         handled_signals(self.signals_to_handle)
+        if self.worker_memory_max is not None:
+            memory_bytes(self.worker_memory_max)
         if self.no_python and self.module and not self.run_path:  # torchrun's check, its words
             raise ValueError(
                 "module: Don't use both the '--no-python' flag and the '--module' flag "
@@ -192,6 +199,17 @@ def handled_signals(value: str) -> list[signal.Signals]:
             raise OptionsError("signals_to_handle", f"{name} cannot be handled")
         chosen.append(signum)
     return chosen
+
+
+_SIZE = re.compile(r"(\d+)([KMGT]?)", re.IGNORECASE)
+
+
+def memory_bytes(size: int | str) -> int:
+    """``size`` (``52428800``, ``"50M"``) in bytes, as ``memory.max`` reads it."""
+    match = _SIZE.fullmatch(str(size).strip())
+    if match is None:
+        raise OptionsError("worker_memory_max", f"{size!r}: expected bytes or a size like 50M")
+    return int(match[1]) << (10 * " KMGT".index(match[2].upper() or " "))
 
 
 def default_shutdown_timeout(environ: Mapping[str, str]) -> float:
@@ -388,6 +406,8 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
     for optional in ("exit_barrier_timeout", "gpu_release_timeout"):
         if (value := getattr(options, optional)) is not None:
             table[optional] = value
+    if options.worker_memory_max is not None:
+        table["worker_memory_max"] = memory_bytes(options.worker_memory_max)
     try:
         spec = msgspec.convert(table, GroupSpec)
     except msgspec.ValidationError as e:

@@ -58,10 +58,10 @@ class WorkerCall:
         stderr: InheritedFd | None,
         result_path: str,
         cpus: frozenset[int] | None,
-        procs: str | None,
+        procs: tuple[str, ...],
         parent: int | None,
     ) -> None:
-        """``procs``: its cgroup's ``cgroup.procs``; ``parent``: the pid its parent must
+        """``procs``: its cgroups' ``cgroup.procs``; ``parent``: the pid its parent must
         have (None: a forkserver's child, whose parent is the server)."""
         self.function = function
         self.args = tuple(args)

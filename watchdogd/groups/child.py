@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from watchdogd.linux import aio
+from watchdogd.linux.memory_cgroups import Memory
 from watchdogd_client._proc import PinnedProcess
 
 __all__ = ["Cell", "ChildProcess", "WorkerProcess"]
@@ -29,8 +30,13 @@ __all__ = ["Cell", "ChildProcess", "WorkerProcess"]
 class Cell(Protocol):
     """Where one child and all it starts run: a cgroup, or a session found in ``/proc``."""
 
-    procs: str | None
-    """The ``cgroup.procs`` the child writes ``0`` to before user code (None: no cgroup)."""
+    procs: tuple[str, ...]
+    """The ``cgroup.procs`` files the child writes ``0`` to before user code, in order
+    (its v2 cgroup's, then a v1 memory cgroup's; none: no cgroup)."""
+
+    @property
+    def memory(self) -> Memory | None:
+        """Its memory cgroup: the OOM killer's count, its peak (None: no memory controller)."""
 
     def bind(self, pid: int) -> None:
         """The child is ``pid``."""

@@ -11,6 +11,9 @@ start-up log say so, and why. Both are a job with one interface
 :class:`~watchdogd.linux.sessions.SessionJob`): nothing here asks which.
 Opening it also ends what a dead daemon left (the job cgroups whose owner
 is gone), with a ``stale_cgroups_removed`` event.
+Where a memory controller may be written, each cell also has a memory cgroup
+(:mod:`watchdogd.groups.cell_memory`): the OOM killer's count, the peak, a
+group's ``worker_memory_max``.
 
 Each group has an :class:`AttemptCells` feature: a cell per child (a worker,
 a spare), into which the child places itself before user code
@@ -24,6 +27,7 @@ removed once the next attempt's workers run: off the restart's path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -32,9 +36,10 @@ import anyio.abc
 import anyio.to_thread
 
 from watchdogd.core.ports import EventSink, GroupError
+from watchdogd.groups.cell_memory import with_memory
 from watchdogd.groups.child import Cell
 from watchdogd.groups.features import Feature
-from watchdogd.linux import cgroups, sessions
+from watchdogd.linux import cgroups, memory_cgroups, sessions
 
 __all__ = ["SETTLE_TIMEOUT", "AttemptCells", "Containment"]
 
@@ -47,8 +52,16 @@ SETTLE_TIMEOUT = 10.0
 class Containment:
     """How this daemon's children are contained: ``cgroup`` or the weaker ``session``."""
 
-    def __init__(self, job: cgroups.JobCgroup | sessions.SessionJob) -> None:
+    def __init__(
+        self,
+        job: cgroups.JobCgroup | sessions.SessionJob,
+        memory: memory_cgroups.MemoryJob | None = None,
+        memory_reason: str = "",
+    ) -> None:
         self.job = job
+        self.memory = memory
+        """Where each cell's memory cgroup is made (None: no memory controller)."""
+        self.memory_reason = memory_reason
 
     @property
     def mode(self) -> str:
@@ -56,7 +69,8 @@ class Containment:
 
     def describe(self) -> str:
         """For ``watchdogctl status`` and the start-up log."""
-        return self.job.describe()
+        memory = self.memory.describe() if self.memory else f"no memory ({self.memory_reason})"
+        return f"{self.job.describe()}; {memory}"
 
     @classmethod
     async def open(cls, events: EventSink, *, cgroups_allowed: bool = True) -> Containment:
@@ -67,6 +81,8 @@ class Containment:
             with anyio.move_on_after(SETTLE_TIMEOUT):
                 await cgroups.until_empty(cells)
             cgroups.remove_stale(stale)
+        stale += memory_cgroups.sweep_stale()  # emptied by the v2 kill just now
+        if stale:
             events.emit(
                 "stale_cgroups_removed",
                 cgroups=" ".join(s.path for s in stale),
@@ -81,15 +97,21 @@ class Containment:
             except OSError as e:
                 reason = f"cgroup v2 cannot be written: {e.strerror or e}"
             else:
-                job.start_keeper()
-                return cls(job)
+                memory, memory_reason = _memory_job(job.path)
+                job.start_keeper(memory.own_dirs() if memory is not None else [])
+                return cls(job, memory, memory_reason)
         job = sessions.SessionJob(reason)
-        log.warning("process containment is %s", job.describe())
-        return cls(job)
+        containment = cls(job, *_memory_job(None))
+        log.warning("process containment is %s", containment.describe())
+        return containment
 
-    def cell(self, name: str) -> Cell:
-        """A new cell for one child."""
-        return self.job.cell(name)
+    def cell(self, name: str, memory_max: int | None = None) -> Cell:
+        """A new cell for one child, its memory capped at ``memory_max`` bytes (None: no
+        cap; one that cannot be set is an OSError)."""
+        cell = self.job.cell(name)
+        if self.memory is None:
+            return cell
+        return with_memory(cell, self.memory, name, memory_max)
 
     async def settle(self, cells: list[Cell]) -> list[int]:
         """Kill every process of ``cells`` and wait until none is left (bounded): the pids
@@ -101,6 +123,16 @@ class Containment:
     def close(self) -> None:
         """The daemon ended its job itself: the keeper stands down, the job cgroup goes."""
         self.job.close()
+        if self.memory is not None:
+            self.memory.remove()
+
+
+def _memory_job(v2_job: Path | None) -> tuple[memory_cgroups.MemoryJob | None, str]:
+    """Where cells' memory cgroups go (None, and why not, when none can be written)."""
+    try:
+        return memory_cgroups.open_memory_job(v2_job), ""
+    except OSError as e:
+        return None, f"no memory cgroup can be written: {e.strerror or e}"
 
 
 def _comm(pid: int) -> str:
@@ -119,10 +151,18 @@ class AttemptCells(Feature):
     the emptied ones removed then: a restart's path makes and removes none.
     """
 
-    def __init__(self, containment: Containment, group: str, events: EventSink) -> None:
+    def __init__(
+        self,
+        containment: Containment,
+        group: str,
+        events: EventSink,
+        memory_max: int | None = None,
+    ) -> None:
+        """``memory_max``: each child's memory cap, in bytes (the spec's ``worker_memory_max``)."""
         self.containment = containment
         self.group = group
         self.events = events
+        self.memory_max = memory_max
         self.cells: list[Cell] = []
         self._emptied: list[Cell] = []
         self._asked: list[str] = []
@@ -134,7 +174,7 @@ class AttemptCells(Feature):
         name = f"{self.group}.{name}"
         self._asked.append(name)
         made = self._ahead.pop(name, None)
-        return made if made is not None else self.containment.cell(name)
+        return made if made is not None else self.containment.cell(name, self.memory_max)
 
     def join(self, cell: Cell) -> None:
         """``cell`` holds a worker of the current attempt."""
@@ -153,10 +193,21 @@ class AttemptCells(Feature):
             self._ahead.update(await anyio.to_thread.run_sync(self._make, names))
 
     def _make(self, names: set[str]) -> dict[str, Cell]:
-        return {name: self.containment.cell(name) for name in names}
+        made = {}
+        for name in names:
+            # One that cannot be made now is made, or fails, on the restart's path.
+            with contextlib.suppress(OSError):
+                made[name] = self.containment.cell(name, self.memory_max)
+        return made
 
     async def prepare(self) -> None:
-        """The last attempt's processes are all gone, or GroupError naming those still alive."""
+        """The last attempt's processes are all gone, or GroupError naming those still alive
+        (or saying why ``worker_memory_max`` cannot be honoured)."""
+        if self.memory_max is not None and self.containment.memory is None:
+            raise GroupError(
+                f"group {self.group}: worker_memory_max cannot be set: "
+                f"{self.containment.memory_reason}"
+            )
         await self._settle("before the next attempt")
 
     def workers_started(self) -> None:

@@ -126,6 +126,8 @@ class GroupRunner:
         """The first failure of each of the latest attempts that had one (the summary of a
         run without progress counts them)."""
         self.started_at = time.time()
+        self.oom_kills = 0
+        """Processes of its workers' cells the OOM killer ended, over all attempts."""
         self.placement: Placement | None = None
         try:
             self.gpus = gpu_assignment(spec, visible_gpus())
@@ -149,7 +151,7 @@ class GroupRunner:
             CustomLogsSpecs(spec, spec.logs_specs) if spec.logs_specs is not None else OwnLogs(spec)
         )
         # First: the last attempt's processes are gone before anything else prepares.
-        self.cells = AttemptCells(containment, spec.name, events)
+        self.cells = AttemptCells(containment, spec.name, events, spec.worker_memory_max)
         self.features: list[Feature] = [self.cells, self.binding, logs]
         """In the order they start; they close in the reverse."""
         if starter is None:
@@ -244,13 +246,20 @@ class GroupRunner:
             attempt=self.machine.attempt,
             restarts_left=self.rendezvous.restarts_left(self.machine.restarts_left),
             workers=[
-                WorkerInfo(local_rank=w.local_rank, rank=w.rank, pid=w.pid, exitcode=w.exitcode)
+                WorkerInfo(
+                    local_rank=w.local_rank,
+                    rank=w.rank,
+                    pid=w.pid,
+                    exitcode=w.exitcode,
+                    memory_peak_bytes=w.memory_peak(),
+                )
                 for w in self.workers.values()
             ],
             last_failure=self.last_failure,
             rendezvous=self.rendezvous.info(),
             spares=[info for feature in self.features for info in feature.spare_infos()],
             started_at=self.started_at,
+            oom_kills=self.oom_kills,
         )
 
     # -- the loop ----------------------------------------------------------------
@@ -419,6 +428,10 @@ class GroupRunner:
         """Its pidfd is readable: it is a zombie, and its process group id not reusable yet."""
         worker.child.kill_group()
         exitcode = worker.child.wait()
+        # Read before the cell goes (at the next attempt's start): the OOM killer's count.
+        worker.memory_at_exit = worker.read_memory()
+        if worker.memory_at_exit is not None:
+            self.oom_kills += worker.memory_at_exit.oom_kills
         self.index.remove(worker.pid)
         worker.exited.set()
         self._post(WorkerExited(worker.local_rank, exitcode, worker.attempt))
@@ -427,12 +440,14 @@ class GroupRunner:
         expired_scope = self.index.take_expired_scope(worker.pid)
         notes = [note for f in self.features if (note := f.failure_note(worker.pid)) is not None]
         failed = exitcode != 0 and self.machine.state is GroupState.HEALTHY
+        memory = worker.memory_at_exit
+        oom_kills = memory.oom_kills if memory is not None else 0
         if failed:
-            reason = describe_exit(exitcode)
+            reason = describe_exit(exitcode, oom_kills)
             if expired_scope is not None:
                 reason += f" (watchdogd: timer {expired_scope!r} expired)"
             reason += "".join(f" ({note})" for note in notes)
-            self._record_failure(worker, exitcode, reason)
+            self._record_failure(worker, exitcode, reason, oom_kills)
         self.events.emit_at(
             logging.WARNING if failed else logging.DEBUG,
             "worker_failed" if failed else "worker_exited",
@@ -441,9 +456,13 @@ class GroupRunner:
             reason=self.last_failure.reason if failed and self.last_failure else None,
             total_run_time=round(time.time() - worker.started, 3),
             raw_error=self.last_failure.error_message if failed and self.last_failure else None,
+            oom_kills=oom_kills,
+            memory_peak_bytes=memory.peak_bytes if memory is not None else None,
         )
 
-    def _record_failure(self, worker: Worker, exitcode: int, reason: str) -> None:
+    def _record_failure(
+        self, worker: Worker, exitcode: int, reason: str, oom_kills: int = 0
+    ) -> None:
         first = not self.attempt_failures
         self.last_failure = self.attempt_failures[worker.local_rank] = Failure(
             local_rank=worker.local_rank,
@@ -453,6 +472,7 @@ class GroupRunner:
             reason=reason,
             error_file=worker.error_file,
             error_message=read_error_file(worker.error_file),
+            oom_kills=oom_kills,
             timestamp=time.time(),
         )
         if first:

@@ -1,9 +1,9 @@
 """A warm spare: an interpreter that imported a group's heavy modules and waits to be a worker.
 
-Run as ``PYTHON [-u …] -m watchdogd.groups.spare CONTROL_FD PROCS PARENT
+Run as ``PYTHON [-u …] -m watchdogd.groups.spare CONTROL_FD PARENT [PROCS…] --
 MODULE… ROOM`` by the daemon (:mod:`watchdogd.groups.spares`), with the rank-stable
-part of the worker's environment. It first places itself in its own cgroup
-(``PROCS``, ``-`` for none; memory stays charged where a page was first
+part of the worker's environment. It first places itself in its own cgroups
+(each ``PROCS``, none in the fallback; memory stays charged where a page was first
 touched, so a spare is born where its worker will run) and asks to die with its
 parent (:func:`~watchdogd.linux.enter_cell.enter`). It imports each ``MODULE``
 (``torch`` …), says :class:`Ready` on its control socket, and waits. No user
@@ -113,10 +113,10 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 
 
 def main() -> None:
-    procs, parent = sys.argv[2], int(sys.argv[3])
-    enter(None if procs == "-" else procs, parent)
+    split = sys.argv.index("--")
+    enter(tuple(sys.argv[3:split]), int(sys.argv[2]))
     control = socket.socket(fileno=int(sys.argv[1]))
-    modules = sys.argv[4:-1]  # the last is ROOM
+    modules = sys.argv[split + 1 : -1]  # the last is ROOM
     report: Report = Ready()
     for name in modules:
         try:

@@ -175,8 +175,9 @@ class SparePool:
             "-m",
             "watchdogd.groups.spare",
             str(theirs.fileno()),
-            cell.procs or "-",
             str(os.getpid()),
+            *cell.procs,
+            "--",
             *self.modules,
             room(self._command_line(local_rank)),  # to show the worker's line in, later
         ]

@@ -24,8 +24,10 @@ from watchdogd.core.ports import SupervisedWorker
 from watchdogd.core.progress import StepProgress
 from watchdogd.core.timers import IDLE_SCOPE, Ended
 from watchdogd.groups.child import Cell, ChildProcess, WorkerProcess
+from watchdogd.linux.memory_cgroups import MemoryReading
 
 __all__ = [
+    "OOM_KILLED",
     "Endpoints",
     "Worker",
     "WorkerIndex",
@@ -69,10 +71,25 @@ class Worker:
         self.error_file = error_file
         self.about: Metadata = {**about, "worker_id": self.pid}
         """torch's worker event metadata."""
+        self.memory_at_exit: MemoryReading | None = None
+        """What its cell's memory cgroup said once it exited, before the cell went."""
 
     @property
     def exitcode(self) -> int | None:
         return self.child.returncode
+
+    def read_memory(self) -> MemoryReading | None:
+        """Its cell's OOM kills and peak (None: no memory cgroup): as they were at its
+        exit once it exited, else now (two small sysfs reads)."""
+        if self.memory_at_exit is not None:
+            return self.memory_at_exit
+        memory = self.child.cell.memory if self.child.cell is not None else None
+        return memory.read() if memory is not None else None
+
+    def memory_peak(self) -> int | None:
+        """The most memory its cell held at once, in bytes (None: unknown)."""
+        memory = self.read_memory()
+        return memory.peak_bytes if memory is not None else None
 
 
 class WorkerIndex:
@@ -180,10 +197,21 @@ def read_error_file(path: str | None) -> str | None:
     return str(message) if message is not None else None
 
 
-def describe_exit(exitcode: int) -> str:
+OOM_KILLED = "killed by the OOM killer"
+
+
+def describe_exit(exitcode: int, oom_kills: int = 0) -> str:
+    """How a worker's exit reads; ``oom_kills``: processes of its cell the OOM killer ended
+    (a SIGKILL was then the OOM killer's)."""
+    if oom_kills and exitcode == -signal.SIGKILL:
+        return OOM_KILLED
     if exitcode < 0:
         try:
-            return f"killed by {signal.Signals(-exitcode).name}"
+            reason = f"killed by {signal.Signals(-exitcode).name}"
         except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exited with status {exitcode}"
+            reason = f"killed by signal {-exitcode}"
+    else:
+        reason = f"exited with status {exitcode}"
+    if oom_kills:
+        reason += f" (the OOM killer ended {oom_kills} process(es) of its cell)"
+    return reason

@@ -148,6 +148,8 @@ class CgroupCell:
     thread: :class:`_Writer`); ``killed()`` follows each kill.
     """
 
+    memory = None  # none of its own: groups.cell_memory adds one
+
     def __init__(
         self,
         path: Path,
@@ -155,7 +157,7 @@ class CgroupCell:
         killed: Callable[[], None] = lambda: None,
     ) -> None:
         self.path = path
-        self.procs: str | None = str(path / "cgroup.procs")
+        self.procs: tuple[str, ...] = (str(path / "cgroup.procs"),)
         self._write = write
         self._killed = killed
 
@@ -256,10 +258,12 @@ class JobCgroup:
         """The pids still running in ``cells``."""
         return [pid for cell in cells for pid in cell.alive()]
 
-    def start_keeper(self) -> None:
-        """The keeper (:mod:`watchdogd.linux.keeper`): kills the job if this process dies."""
+    def start_keeper(self, memory_dirs: Sequence[Path] = ()) -> None:
+        """The keeper (:mod:`watchdogd.linux.keeper`): kills the job if this process dies,
+        and removes it and ``memory_dirs`` (the job's v1 memory cgroups) once empty."""
+        dirs = [str(self.path), *map(str, memory_dirs)]
         self._keeper = subprocess.Popen(
-            [sys.executable, "-I", "-S", keeper.__file__, str(os.getpid()), str(self.path)],
+            [sys.executable, "-I", "-S", keeper.__file__, str(os.getpid()), *dirs],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,
@@ -291,7 +295,8 @@ class JobCgroup:
 class Cell(Protocol):
     """What :func:`until_empty` needs of a cell (``groups.child.Cell`` has it)."""
 
-    procs: str | None
+    procs: tuple[str, ...]
+    """Its ``cgroup.procs`` files, its v2 cell's first."""
 
     def kill(self) -> None: ...
 
@@ -308,8 +313,8 @@ class _Changes:
             errno = ctypes.get_errno()
             raise OSError(errno, f"inotify_init1: {os.strerror(errno)}")
         for cell in cells:
-            if cell.procs is not None:
-                events = os.path.join(os.path.dirname(cell.procs), "cgroup.events")
+            if cell.procs:
+                events = os.path.join(os.path.dirname(cell.procs[0]), "cgroup.events")
                 # A cell gone already (-1, ENOENT) has nothing left to announce.
                 libc.inotify_add_watch(self.fd, os.fsencode(events), _IN_MODIFY)
 

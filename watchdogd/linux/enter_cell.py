@@ -3,8 +3,9 @@
 A child cannot be started inside a cgroup from Python (no ``CLONE_INTO_CGROUP``
 in ``subprocess``, and glibc's ``posix_spawnattr_setcgroup_np`` came in
 2.39), and ``preexec_fn`` is unsafe in a process with threads. So the child
-places itself, before any user code: it writes ``0`` to its cgroup's
-``cgroup.procs``, then asks for ``SIGKILL`` when the thread that forked it
+places itself, before any user code: it writes ``0`` to its cgroups'
+``cgroup.procs`` (its v2 cell's, and a v1 memory cgroup's where memory is
+accounted there), then asks for ``SIGKILL`` when the thread that forked it
 exits (``PR_SET_PDEATHSIG``), and checks that this parent is still there,
 since it may have died before the request.
 
@@ -17,10 +18,10 @@ daemon that dies in that instant leaves the worker to the keeper, which
 kills the job's cgroup). Elsewhere this file is the shim (stdlib only, run
 with ``-I -S``)::
 
-    python -I -S enter_cell.py PROCS PARENT_PID -- PROGRAM ARGS…
+    python -I -S enter_cell.py PARENT_PID [PROCS…] -- PROGRAM ARGS…
 
-``PROCS`` is the ``cgroup.procs`` file (``-``: no cgroup, the weaker
-fallback); ``PARENT_PID`` the daemon's pid (``-``: no parent check). Then it
+``PARENT_PID`` is the daemon's pid (``-``: no parent check); each ``PROCS``
+a ``cgroup.procs`` file (none: no cgroup, the weaker fallback). Then it
 ``execvp`` s the program, which keeps both (a setuid program drops the
 parent-death signal). Spares and callable workers call :func:`enter` from
 project code instead, and the daemon's own helpers :func:`die_with_parent`.
@@ -43,33 +44,33 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 _SETPRIV = shutil.which("setpriv")
-# $0: setpriv; $1: the cgroup.procs file or -; $2: the worker's PWD as given ("=DIR"), or
-# - for none, since the shell resets PWD to its own reading at start-up and the program
-# must see its environment as given (as a fresh worker under torchrun does).
+# $0: setpriv; $1: the worker's PWD as given ("=DIR"), or - for none, since the shell
+# resets PWD to its own reading at start-up and the program must see its environment
+# as given (as a fresh worker under torchrun does); then the cgroup.procs files, up to --.
 _NATIVE = (
-    'p=$1; w=$2; shift 2; [ "$p" = - ] || echo 0 >"$p" || exit 126; '
+    'w=$1; shift; while [ "$1" != -- ]; do echo 0 >"$1" || exit 126; shift; done; shift; '
     'if [ "$w" = - ]; then unset PWD; else PWD=${w#=}; export PWD; fi; '
     'exec "$0" --pdeathsig KILL -- "$@"'
 )
 
 
-def shim_command(procs: str | None, argv: list[str], pwd: str | None = None) -> list[str]:
-    """``argv`` run through a shim, into ``procs``' cgroup, dying with this process's
+def shim_command(procs: tuple[str, ...], argv: list[str], pwd: str | None = None) -> list[str]:
+    """``argv`` run through a shim, into each ``procs``' cgroup, dying with this process's
     forking thread (natively where ``setpriv`` is, else through this file, which runs
     by path: ``-I -S`` leave no package to import). ``pwd``: the ``PWD`` of the
     environment the program is given."""
     if _SETPRIV is not None:
         given = "-" if pwd is None else f"={pwd}"
-        return ["/bin/sh", "-c", _NATIVE, _SETPRIV, procs or "-", given, *argv]
+        return ["/bin/sh", "-c", _NATIVE, _SETPRIV, given, *procs, "--", *argv]
     shim = os.path.abspath(__file__)
-    return [sys.executable, "-I", "-S", shim, procs or "-", str(os.getpid()), "--", *argv]
+    return [sys.executable, "-I", "-S", shim, str(os.getpid()), *procs, "--", *argv]
 
 
-def enter(procs: str | None, parent: int | None) -> None:
-    """Into the cgroup whose ``cgroup.procs`` is ``procs`` (None: none), then SIGKILL with
-    the forking thread's exit; exits at once if ``parent`` is no longer this one's parent."""
-    if procs is not None:
-        with open(procs, "w") as f:
+def enter(procs: tuple[str, ...], parent: int | None) -> None:
+    """Into the cgroups whose ``cgroup.procs`` are ``procs``, then SIGKILL with the
+    forking thread's exit; exits at once if ``parent`` is no longer this one's parent."""
+    for path in procs:
+        with open(path, "w") as f:
             f.write("0")
     die_with_parent(parent)
 
@@ -91,11 +92,12 @@ def prctl(option: int, value: int) -> None:
 
 
 def _main(argv: list[str]) -> None:
-    procs, parent, separator, *command = argv
-    if separator != "--" or not command:
-        sys.exit("usage: enter_cell.py PROCS|- PARENT_PID|- -- PROGRAM ARGS…")
+    split = argv.index("--", 1) if "--" in argv[1:] else len(argv)
+    parent, procs, command = argv[:1], argv[1:split], argv[split + 1 :]
+    if not parent or not command:
+        sys.exit("usage: enter_cell.py PARENT_PID|- [PROCS…] -- PROGRAM ARGS…")
     try:
-        enter(None if procs == "-" else procs, None if parent == "-" else int(parent))
+        enter(tuple(procs), None if parent[0] == "-" else int(parent[0]))
     except OSError as e:
         sys.exit(f"watchdogd: cannot place the worker: {e}")
     try:

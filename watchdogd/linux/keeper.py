@@ -4,11 +4,12 @@ The parent-death signal reaches only the workers, not what they started
 (a data loader, a ``setsid`` daemon). So each daemon with a job cgroup
 starts this small process, in a session of its own, outside the job cgroup::
 
-    python -I -S keeper.py DAEMON_PID JOB_CGROUP
+    python -I -S keeper.py DAEMON_PID JOB_CGROUP [MEMORY_JOB]
 
 It holds a pidfd on the daemon and waits. If the daemon exits (an OOM kill,
 a scheduler's SIGKILL), it writes ``cgroup.kill`` for the whole job, waits
-for the job to empty (bounded), and removes its cgroups. A daemon that
+for the job to empty (bounded), and removes its cgroups, and the v1 memory
+cgroups of the same processes (``MEMORY_JOB``, emptied with it). A daemon that
 stops as it should says so first by closing the keeper's stdin after a
 ``stop`` line: the keeper then exits and touches nothing. Stdlib only.
 """
@@ -39,7 +40,7 @@ def _populated(path: str) -> bool:
 
 
 def main(argv: list[str]) -> None:
-    daemon, job = int(argv[0]), argv[1]
+    daemon, job, memory = int(argv[0]), argv[1], argv[2:]
     try:
         pidfd = os.pidfd_open(daemon)
     except ProcessLookupError:
@@ -56,7 +57,8 @@ def main(argv: list[str]) -> None:
     deadline = time.monotonic() + _EMPTY_TIMEOUT
     while _populated(job) and time.monotonic() < deadline:
         time.sleep(0.01)
-    _remove(job)
+    for path in (job, *memory):
+        _remove(path)
 
 
 if __name__ == "__main__":

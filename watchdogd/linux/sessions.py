@@ -134,7 +134,8 @@ def adopted(known: set[int], table: _Table | None = None) -> dict[int, int]:
 class SessionCell:
     """One child's session and its descendants, found in ``/proc``."""
 
-    procs: str | None = None
+    procs: tuple[str, ...] = ()
+    memory = None  # none of its own: groups.cell_memory adds one
 
     def __init__(self, known: set[int]) -> None:
         self.known = known

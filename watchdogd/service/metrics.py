@@ -197,6 +197,16 @@ class Metrics(Collector):
             "1 while this node stands by beside a full round, to take a lost node's rank.",
             labels=["group"],
         )
+        peak = GaugeMetricFamily(
+            "watchdogd_worker_memory_peak_bytes",
+            "The most memory a worker's cell held at once (where it has a memory cgroup).",
+            labels=["group", "rank"],
+        )
+        oom = CounterMetricFamily(
+            "watchdogd_worker_oom_kills",
+            "Processes of a group's workers' cells the kernel's OOM killer ended.",
+            labels=["group"],
+        )
         for info in self.infos():
             left.add_metric([info.name], info.restarts_left)
             rdzv = info.rendezvous
@@ -205,7 +215,11 @@ class Metrics(Collector):
             if rdzv is not None:
                 waiting.add_metric([info.name], rdzv.waiting)
                 standby.add_metric([info.name], int(rdzv.standby))
-        yield from (left, round_, waiting, standby)
+            for worker in info.workers:
+                if worker.memory_peak_bytes is not None:
+                    peak.add_metric([info.name, str(worker.rank)], worker.memory_peak_bytes)
+            oom.add_metric([info.name], info.oom_kills)
+        yield from (left, round_, waiting, standby, peak, oom)
 
     def _stragglers(self) -> Iterator[Metric]:
         watch = self.stragglers

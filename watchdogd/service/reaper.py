@@ -52,7 +52,7 @@ from watchdogd.core.flight_recorder import Recorder
 from watchdogd.core.ports import EventSink, Metadata, Supervision
 from watchdogd.core.timers import Timer
 from watchdogd.linux import flight_recorder
-from watchdogd.linux.procs import ProcessHandle, still_runs
+from watchdogd.linux.procs import ProcessHandle, read_stat, still_runs
 from watchdogd.linux.stacks import (
     DumpInfo,
     FaulthandlerCaptures,
