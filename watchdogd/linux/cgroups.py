@@ -11,12 +11,17 @@ The layout::
 
     <own cgroup>/watchdogd-<pid>-<start time>/   the job: this daemon's (its owner)
         <group>.<kind><local rank>.<n>/          one worker or spare, and all it starts
+    <own cgroup>/watchdogd-daemon/               the daemon, if it was alone in its cgroup
 
 The owner's pid and start time are in the job cgroup's name (cgroupfs
 takes no plain files), so a later daemon tells a cgroup whose owner is gone
-(:func:`sweep_stale`) from one whose owner runs. Controllers are never
-enabled here, so the daemon may stay in its own cgroup beside these (the
-no-internal-processes rule binds only cgroups with controllers on).
+(:func:`sweep_stale`) from one whose owner runs. A cgroup with processes
+cannot enable a controller for its children (the no-internal-processes
+rule), so a daemon alone in its cgroup (a systemd unit's) whose memory
+controller is offered but not enabled moves into a leaf of its own first
+and enables ``memory`` for the job (:func:`leave_for_leaf`); one that
+shares its cgroup (a shell's, under ``watchdogd run``) stays in it, and its
+cells get no v2 memory controller.
 
 ``cgroup.kill`` (kernel 5.14) kills every process of a cgroup and of those
 below, whatever session or process group it made; ``cgroup.events`` says
@@ -58,9 +63,12 @@ from watchdogd.linux import keeper
 from watchdogd.linux.procs import read_stat, still_runs
 
 __all__ = [
+    "DAEMON_LEAF",
     "CgroupCell",
     "JobCgroup",
     "Stale",
+    "job_base",
+    "leave_for_leaf",
     "open_job_cgroup",
     "remove_stale",
     "sweep_stale",
@@ -79,6 +87,10 @@ announces a change through a work queue (~3 ms late on a loaded machine) and at 
 _KEEPER_STOP_TIMEOUT = 1.0
 
 _JOB = re.compile(r"watchdogd-(\d+)-(\d+)")
+
+DAEMON_LEAF = "watchdogd-daemon"
+"""The leaf a daemon alone in its cgroup moves into, so that the cgroup may give its job
+cgroup, beside the leaf, the memory controller (:func:`leave_for_leaf`)."""
 
 
 def v2_mount(mountinfo: str) -> str | None:
@@ -101,12 +113,48 @@ def _own_cgroup() -> str:
     raise OSError("no cgroup v2 line in /proc/self/cgroup")
 
 
-def _base() -> Path:
-    """The daemon's own v2 cgroup directory; OSError naming why there is none."""
+def _mount_and_own() -> tuple[Path, Path]:
+    """The v2 mount point, and this process's cgroup directory in it; OSError naming why
+    there is none."""
     mount = v2_mount(Path("/proc/self/mountinfo").read_text())
     if mount is None:
         raise OSError("no read-write cgroup2 mount in /proc/self/mountinfo")
-    return Path(mount + _own_cgroup().rstrip("/"))
+    return Path(mount), Path(mount + _own_cgroup().rstrip("/"))
+
+
+def _base() -> Path:
+    """Where job cgroups go (:func:`job_base`); OSError naming why there is none."""
+    return job_base(_mount_and_own()[1])
+
+
+def job_base(own: Path) -> Path:
+    """Where the job cgroups of a daemon in cgroup ``own`` go: ``own``, or the cgroup it
+    left for its leaf (:func:`leave_for_leaf`)."""
+    return own.parent if own.name == DAEMON_LEAF else own
+
+
+def leave_for_leaf(own: Path, mount: Path, pid: int, controller: str = "memory") -> Path | None:
+    """Move process ``pid``, alone in its cgroup ``own``, into a leaf below it
+    (:data:`DAEMON_LEAF`), and enable ``controller`` for ``own``'s children: the leaf
+    made, or None when nothing was to be done or may be (the controller not offered,
+    enabled already, ``own`` the root, which may enable controllers with processes in
+    it, or other processes in ``own``, which are not this daemon's to move).
+
+    A cgroup with processes cannot enable a controller for its children (the
+    no-internal-processes rule): a daemon in its unit's delegated cgroup
+    (``Delegate=yes``) holds that cgroup, so its job cgroup, beside it, would have
+    no memory controller."""
+    if own == mount or controller not in (own / "cgroup.controllers").read_text().split():
+        return None
+    if controller in (own / "cgroup.subtree_control").read_text().split():
+        return None
+    if (own / "cgroup.procs").read_text().split() != [str(pid)]:
+        return None
+    leaf = own / DAEMON_LEAF
+    leaf.mkdir(exist_ok=True)
+    (leaf / "cgroup.procs").write_text(str(pid))  # all its threads with it
+    (own / "cgroup.subtree_control").write_text(f"+{controller}")
+    return leaf
 
 
 def _populated(path: Path) -> bool:
@@ -232,10 +280,11 @@ class JobCgroup:
 
     mode = "cgroup"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, own: Path) -> None:
+        """``path``: the job cgroup; ``own``: the cgroup this process is in."""
         self.path = path
         self._serial = itertools.count(1)
-        self._writer = _Writer(path.parent / "cgroup.procs")
+        self._writer = _Writer(own / "cgroup.procs")
         self._keeper: subprocess.Popen[bytes] | None = None
 
     def describe(self) -> str:
@@ -362,7 +411,12 @@ def _kill_left(cells: Sequence[Cell]) -> list[int]:
 
 
 def open_job_cgroup() -> JobCgroup:
-    """This process's job cgroup, created (OSError naming why it cannot be)."""
+    """This process's job cgroup, created (OSError naming why it cannot be); a daemon
+    alone in its cgroup first moves into a leaf of it (:func:`leave_for_leaf`)."""
+    mount, own = _mount_and_own()
+    if own.name != DAEMON_LEAF:
+        with contextlib.suppress(OSError):  # no memory controller for its cells, then
+            own = leave_for_leaf(own, mount, os.getpid()) or own
     base = _base()
     start = read_stat(os.getpid()).start_time
     path = base / f"watchdogd-{os.getpid()}-{start}"
@@ -370,7 +424,7 @@ def open_job_cgroup() -> JobCgroup:
     if not (path / "cgroup.kill").exists():
         path.rmdir()
         raise OSError("the kernel has no cgroup.kill (5.14 and later have)")
-    return JobCgroup(path)
+    return JobCgroup(path, own)
 
 
 class Stale(NamedTuple):
