@@ -30,7 +30,7 @@ changed (:func:`until_empty` waits so, re-reading it ever less often).
 
 A child moving into its cell takes the kernel's lock for moving processes
 between cgroups (``cgroup_threadgroup_rwsem``), which first waits for an RCU
-grace period (~13 ms on the development machine) when nobody took it for a
+grace period (8-14 ms on the development machine) when nobody took it for a
 while, holding ``cgroup_mutex`` meanwhile, which every mkdir, rmdir and
 ``cgroup.kill`` takes too. So a job's writes run in a thread of their own
 (:class:`_Writer`), never on the event loop; and a killed cell, which means
