@@ -206,7 +206,8 @@ class CgroupCell:
     ) -> None:
         self.path = path
         self.procs: tuple[str, ...] = (str(path / "cgroup.procs"),)
-        self._write = write
+        self.write = write
+        """Runs a write that takes ``cgroup_mutex`` (its own, and others' to follow them)."""
         self._killed = killed
 
     def bind(self, pid: int) -> None:
@@ -214,7 +215,7 @@ class CgroupCell:
 
     def kill(self) -> None:
         """SIGKILL every process in it, whatever session each made."""
-        self._write(partial(_kill, self.path))
+        self.write(partial(_kill, self.path))
         self._killed()
 
     def alive(self) -> list[int]:
@@ -223,7 +224,7 @@ class CgroupCell:
 
     def remove(self) -> None:
         """rmdir, once empty (a cgroup with processes stays, and is swept with the job)."""
-        self._write(partial(_remove_quietly, self.path))
+        self.write(partial(_remove_quietly, self.path))
 
 
 def _remove_quietly(path: Path) -> None:
