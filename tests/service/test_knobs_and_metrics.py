@@ -221,14 +221,15 @@ async def test_healthz_goes_503_while_the_loop_is_blocked(short_dir: Path) -> No
         assert (await anyio.to_thread.run_sync(get, url))[0] == 200
 
 
-def test_a_standby_node_shows_in_the_metrics() -> None:
-    def group(name: str, standby: bool) -> GroupInfo:
+def test_a_standby_node_and_attempts_without_progress_show_in_the_metrics() -> None:
+    def group(name: str, standby: bool, failed_without_progress: int) -> GroupInfo:
         rdzv = RendezvousInfo(backend="etcd", run_id="r", round=0, group_rank=-1,
                               group_world_size=0, standby=standby)  # fmt: skip
         return GroupInfo(name=name, state=GroupState.HEALTHY, attempt=0, restarts_left=0,
-                         workers=[], rendezvous=rdzv, started_at=0.0)  # fmt: skip
+                         workers=[], rendezvous=rdzv, started_at=0.0,
+                         failed_without_progress=failed_without_progress)  # fmt: skip
 
-    infos = [group("waits", True), group("runs", False)]
+    infos = [group("waits", True, 0), group("runs", False, 2)]
     no_stragglers = SimpleNamespace(board=Stragglers(), drilled=set(), drill_flags=0)
     metrics = Metrics(
         Stats(),
@@ -239,9 +240,9 @@ def test_a_standby_node_shows_in_the_metrics() -> None:
         lambda: infos,
         LoopMonitor(),  # type: ignore[arg-type]
     )
-    (family,) = (
-        f
+    families = {
+        f.name: {s.labels.get("group"): s.value for s in f.samples}
         for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
-        if f.name == "watchdogd_rendezvous_standby"
-    )
-    assert {s.labels["group"]: s.value for s in family.samples} == {"waits": 1.0, "runs": 0.0}
+    }
+    assert families["watchdogd_rendezvous_standby"] == {"waits": 1.0, "runs": 0.0}
+    assert families["watchdogd_group_failed_without_progress"] == {"waits": 0.0, "runs": 2.0}
