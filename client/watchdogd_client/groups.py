@@ -335,6 +335,8 @@ class SpareInfo(msgspec.Struct, kw_only=True):
     ready: bool
     """Its modules are imported."""
     rss_bytes: int | None = None
+    ready_after_s: float | None = None
+    """Seconds from its start to ready (None while it warms)."""
 
 
 class GroupInfo(msgspec.Struct, kw_only=True):
