@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 import watchdogd_client as wd
+from watchdogd_client import _timer
 from watchdogd_client import protocol as p
 from watchdogd_client.framing import FrameSplitter
 
@@ -103,6 +104,23 @@ def test_expires_configures_itself_from_the_environment(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "NotConfiguredError" in out.stderr
     assert "WATCHDOGD_SOCKET" in out.stderr and "configure(" in out.stderr
+    assert "no daemon listens at " in out.stderr  # the default socket, named
+
+
+def test_with_nothing_configured_the_client_finds_the_default_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    default = tmp_path / "watchdogd.sock"
+    monkeypatch.setattr("watchdogd_client._timer.default_socket_path", lambda: default)
+    for name in ("WATCHDOGD_SOCKET", "TORCHELASTIC_TIMER_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(wd.NotConfiguredError, match=str(default)):
+        _timer._client_from_environment()
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(default))  # where `watchdogd serve` listens for this user
+        client = _timer._client_from_environment()
+        assert isinstance(client, wd.SocketTimerClient)
+        assert client.path == str(default)
 
 
 def test_client_imports_only_stdlib_and_msgspec() -> None:
