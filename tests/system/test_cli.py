@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,7 +89,10 @@ def test_watchdogctl_timers_and_status(short_dir: Path) -> None:
                 assert "train_step" in table and "SIGKILL" in table
                 status = json.loads(ctl(sock, "status", "--json").stdout)
                 assert status["timers"] == 1
-                assert "timers" in ctl(sock, "status").stdout
+                shown = ctl(sock, "status").stdout
+                assert "timers" in shown
+                assert re.search(r"^uptime +\d+\.\d s$", shown, re.M), shown  # not 19.3838…
+                assert "being read" not in shown  # read at start: the first status has it
             finally:
                 trainer.kill()
 

@@ -154,6 +154,16 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.3g}"
 
 
+def _duration(seconds: float) -> str:
+    """``19.4 s``, ``3 min 12 s``, ``2 h 05 min``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, whole = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {whole} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
 def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
     """Show the daemon's endpoints, counts and counters."""
     status = client.status()
@@ -164,6 +174,7 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
         return
     counters = {key: info.pop(key) for key in ("requests", "connections_refused", "suppressed")}
     gpus, gpu_note = info.pop("gpus"), info.pop("gpu_note")
+    info["uptime"] = _duration(info.pop("uptime_s"))
     rows = [(key.replace("_", " "), value) for key, value in info.items()]
     for key, counts in counters.items():
         rows += [(f"{key.replace('_', ' ')} {name}", n) for name, n in sorted(counts.items())]
