@@ -111,7 +111,9 @@ def test_with_nothing_configured_the_client_finds_the_default_socket(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     default = tmp_path / "watchdogd.sock"
-    monkeypatch.setattr("watchdogd_client._timer.default_socket_path", lambda: default)
+    for where in ("_paths", "_timer"):
+        monkeypatch.setattr(f"watchdogd_client.{where}.default_socket_path", lambda: default)
+    monkeypatch.setattr("watchdogd_client._paths.NODE_RUNTIME_DIR", tmp_path / "no-node")
     for name in ("WATCHDOGD_SOCKET", "TORCHELASTIC_TIMER_FILE"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(wd.NotConfiguredError, match=str(default)):
