@@ -38,7 +38,10 @@ from ._socket import SocketTimerClient
 from ._timer import configure, expires, get_client, progress
 from ._timer_client import TimerClient
 
+__version__ = "0.1.0"
+
 __all__ = [
+    "__version__",
     "LEARN",
     "DaemonUnavailableError",
     "FifoFullError",
