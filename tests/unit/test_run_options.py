@@ -313,6 +313,7 @@ def test_daemon_config_checks_what_the_options_ask() -> None:
     drill = run_options({"faults": [{"kind": "kill", "rank": 0}], "event_log": "/tmp/e"})
     changed = daemon_config(drill, Config())
     assert (changed.fault_injection, changed.event_log) == (True, "/tmp/e")
+    assert daemon_config(cli("--metrics-listen", "9400"), Config()).metrics_listen == "9400"
     with pytest.raises(ConfigError, match="straggler_window"):
         daemon_config(run_options({"straggler_window": 1}), Config())
 

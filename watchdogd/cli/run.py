@@ -200,6 +200,9 @@ def add_run_arguments(
           f"(default {_DEFAULT.event_log_handler})")  # fmt: skip
     parser.add_argument("--event-log", metavar="FILE", default=argparse.SUPPRESS,
                         help="append events as JSON lines to FILE")  # fmt: skip
+    parser.add_argument("--metrics-listen", metavar="[HOST:]PORT", default=argparse.SUPPRESS,
+                        help="serve /metrics and /healthz (503 while the node is stalled or "
+                        "quarantined) there; loopback for a bare PORT")  # fmt: skip
     parser.add_argument(
         "--trace",
         metavar="FILE",

@@ -146,6 +146,8 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     flight_recorder: bool = False
     event_log_handler: str = "null"
     event_log: str | None = None
+    metrics_listen: str | None = None
+    """``PORT`` or ``HOST:PORT``: the run's ``/metrics`` and ``/healthz`` (None: none)."""
     trace: str | None = None
     """At exit, write the run's timeline as a Chrome trace here (the command line's)."""
     straggler_window: int | None = None
@@ -430,6 +432,7 @@ def daemon_config(options: RunOptions, config: Config) -> Config:
         key: value
         for key, value in (
             ("event_log", options.event_log),
+            ("metrics_listen", options.metrics_listen),
             ("straggler_window", options.straggler_window),
             ("straggler_publish_interval", options.straggler_publish_interval),
             ("process_containment", options.process_containment),
