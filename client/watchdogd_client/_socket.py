@@ -211,10 +211,6 @@ class SocketTimerClient(TimerClient):
     def restart_group(self, name: str) -> str:
         return self.request(p.RestartGroup(name), p.Ok).message
 
-    def clear_quarantine(self, node: str) -> str:
-        """Bring ``node`` back into its etcd job (root or the admin group only)."""
-        return self.request(p.ClearQuarantine(node), p.Ok).message
-
     def inject_fault(self, name: str, fault: Fault) -> str:
         """Inject ``fault`` into group ``name`` (a drill: the config must enable it)."""
         return self.request(p.InjectFault(name, fault), p.Ok).message

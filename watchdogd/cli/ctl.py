@@ -290,7 +290,7 @@ def cmd_restart(client: SocketTimerClient, args: argparse.Namespace) -> None:
 
 def cmd_quarantine(client: SocketTimerClient, args: argparse.Namespace) -> None:
     """Bring a node its etcd job set aside back into the job (it rejoins as a newcomer)."""
-    print(client.clear_quarantine(args.clear))
+    print(client.request(p.ClearQuarantine(args.clear), p.Ok).message)
 
 
 def cmd_inject(client: SocketTimerClient, args: argparse.Namespace) -> None:

@@ -28,7 +28,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from watchdogd.core.ports import EventSink
+from watchdogd.core.ports import EventSink, GroupError
 from watchdogd.core.quarantine import NodeFailures, NodeFault, counts_against_node
 from watchdogd.core.rdzv_state import RendezvousConnectionError
 from watchdogd.groups.etcd_backend import EtcdBackend
@@ -162,7 +162,7 @@ class EtcdQuarantine(Feature):
     def clear(self, node: str) -> str:
         """Bring ``node`` back into the job (its agent rejoins once it sees the key go)."""
         if self._tg is None:
-            raise RuntimeError("clear() before start()")
+            raise GroupError(f"group {self.group} has not started yet")
         self._tg.start_soon(self._delete, node)
         return f"clearing the quarantine of {node} in run {self.backend.spec.rendezvous.run_id}"
 

@@ -301,12 +301,6 @@ class GroupRunner:
             return info
         return msgspec.structs.replace(info, quarantined=self.quarantine.reason)
 
-    def clear_quarantine(self, node: str) -> str:
-        """Bring ``node`` back into this group's job; GroupError where it has no quarantine."""
-        if self.quarantine is None or self.finished.is_set():
-            raise GroupError(f"group {self.spec.name} keeps no quarantine (etcd, running)")
-        return self.quarantine.clear(node)
-
     # -- the loop ----------------------------------------------------------------
 
     async def run(self) -> GroupState:

@@ -150,7 +150,7 @@ class Supervisor:
         a quarantine (one job per daemon, in practice)."""
         for runner in self.groups.values():
             if runner.quarantine is not None and not runner.finished.is_set():
-                return runner.clear_quarantine(node)
+                return runner.quarantine.clear(node)
         raise GroupError("no running group keeps a quarantine (an etcd job with one)")
 
     def infos(self) -> list[GroupInfo]:
