@@ -10,6 +10,7 @@ every node is the program's failure: nobody is set aside.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import urllib.error
 import urllib.request
@@ -20,7 +21,7 @@ from typing import Any
 from ..conftest import wait_until
 from ..etcd import EtcdServer
 from .test_multinode import _kill_nodes, _socket_of, ctl, finish, node
-from .test_standby import CONF, kill_node, of, ranks_run, standing_by
+from .test_standby import CONF, of, ranks_run, standing_by
 
 __all__ = ["_kill_nodes"]  # the launchers a failed test left are killed after it
 
@@ -128,8 +129,10 @@ def test_a_failing_node_is_set_aside_a_standby_takes_its_place_until_it_is_clear
     address = events_of(a_events, "metrics_listening")[-1]["metadata"]["address"]
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as answer:
         assert metric in answer.read().decode()
-    # Its agent started again finds the job's key: it stays out, nobody restarts for it.
-    kill_node(a)
+    # Stopped (it waits for no worker), then started again: it finds the job's key and
+    # stays out; nobody restarts for it.
+    a.send_signal(signal.SIGTERM)
+    assert a.wait(10) == 1  # as torchrun, for a signal
     a_events.unlink()
     again, a_events = agent(etcd, run, tmp_path, "node-a", *QUARANTINE)
     wait_until(lambda: events_of(a_events, "node_quarantined") != [], timeout=30)

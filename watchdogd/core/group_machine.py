@@ -16,7 +16,9 @@ Rules
 - A worker stuck in D state, or a fatal fault of a GPU it uses:
   HEALTHY -> UNHEALTHY at once, every worker gets SIGKILL, and there is no
   restart (the node itself is suspect).
-- ``stop`` (operator, shutdown): every worker is stopped, ending in STOPPED.
+- ``stop`` (operator, shutdown): every worker is stopped, ending in STOPPED;
+  ``abandon``: stopped before the attempt's workers started (it waited for its
+  place in the job): HEALTHY -> STOPPED at once.
 - ``signalled`` (the launcher received a signal it handles, torchrun's
   ``--signals-to-handle``): the same, the workers getting that signal
   instead of SIGTERM; a signal received while stopping is passed on too.
@@ -231,6 +233,14 @@ class GroupMachine:
             return []
         self.alive = set()  # spawned, but the attempt never started: nobody to stop
         return [self._move(S.SUCCEEDED, reason), Finished(S.SUCCEEDED)]  # HEALTHY -> SUCCEEDED
+
+    def abandon(self, reason: str) -> list[Action]:
+        """Stopped while the attempt waited for its place (a standby, a node set aside),
+        before any worker started: nobody to stop."""
+        if self.state is not S.HEALTHY:
+            return []
+        self.alive = set()
+        return [self._move(S.STOPPED, reason), Finished(S.STOPPED)]  # HEALTHY -> STOPPED
 
     def stop(self, now: float, reason: str = "stop requested") -> list[Action]:
         if self.state is S.HEALTHY:

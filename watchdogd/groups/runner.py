@@ -169,8 +169,9 @@ class GroupRunner:
             else Path(tempfile.mkdtemp(prefix=f"watchdogd-{spec.name}-"))
         )
         self.finished = anyio.Event()
-        self._meeting = False
-        """Between an attempt's start and its round: a change of the last round is old news."""
+        self._meeting: anyio.CancelScope | None = None
+        """From an attempt's start to its round: a change of the last round is old news,
+        and a stop ends the wait (no worker to stop)."""
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[Input](math.inf)
         self.binding = (
             NumaBinding(spec, spec.numa_binding, hardware, events)
@@ -256,6 +257,8 @@ class GroupRunner:
     def _control(self, event: Input) -> None:
         if self.finished.is_set():
             raise GroupError(f"group {self.spec.name} is not running ({self.state.value})")
+        if self._meeting is not None and isinstance(event, Stop | Signalled):
+            self._meeting.cancel()  # a standby, or a node set aside: no worker runs
         self._post(event)
 
     def _post(self, event: Input) -> None:
@@ -361,7 +364,7 @@ class GroupRunner:
         return final
 
     def _membership_changed(self, change: Change) -> None:
-        if self.finished.is_set() or self._meeting:
+        if self.finished.is_set() or self._meeting is not None:
             return  # the end of a round this node already left (it waits for the next)
         match change:
             case "waiting":
@@ -425,7 +428,9 @@ class GroupRunner:
                         agent_restarts=self.machine.restarts_used,
                     )
                 case Spawn(attempt, restart_count):
-                    await self._start_attempt(attempt, restart_count)
+                    if not await self._start_attempt(attempt, restart_count):
+                        reason = "stopped while it waited for its place in the job"
+                        final = await self._apply(self.machine.abandon(reason))
                 case Signal(local_ranks, signum):
                     for worker in self._stop_order(local_ranks):
                         worker.child.send_signal(signum)
@@ -440,19 +445,22 @@ class GroupRunner:
 
     # -- processes ---------------------------------------------------------------
 
-    async def _start_attempt(self, attempt: int, restart_count: int) -> None:
-        # Before rendezvous: a node that cannot start holds nobody up, spares warm meanwhile.
-        self._meeting = True  # from the last attempt's end: prepare() may wait long
-        for feature in self.features:
-            await feature.prepare()
-        self.workers = {}  # the last attempt's are all gone: none is shown while nodes meet
-        self.attempt_failures = {}
-        waiting_since = time.monotonic()
-        self._meeting = True
+    async def _start_attempt(self, attempt: int, restart_count: int) -> bool:
+        """Meet the job, then start the workers; False when stopped before they started."""
+        meeting = self._meeting = anyio.CancelScope()
         try:
-            placement, restart_count = await self.rendezvous.next_round(restart_count)
+            with meeting:
+                # Before rendezvous: a node that cannot start holds nobody up, spares warm.
+                for feature in self.features:
+                    await feature.prepare()
+                self.workers = {}  # the last attempt's are all gone: none shown while nodes meet
+                self.attempt_failures = {}
+                waiting_since = time.monotonic()
+                placement, restart_count = await self.rendezvous.next_round(restart_count)
         finally:
-            self._meeting = False
+            self._meeting = None
+        if meeting.cancelled_caught:
+            return False
         self.placement = placement
         # Every backend's round, the static one's too: a job's timeline shows each.
         self.events.emit(
@@ -467,6 +475,7 @@ class GroupRunner:
             hostname=self.launcher.hostname,
         )
         await self.launcher.start(attempt, restart_count, placement, self.workers, self._exited)
+        return True
 
     def _exited(self, worker: Worker) -> None:
         """Its pidfd is readable: it is a zombie, and its process group id not reusable yet."""
