@@ -142,6 +142,8 @@ class GroupMachine:
         self.max_restarts = max_restarts
         self.shutdown_timeout = shutdown_timeout
         self.state = S.INIT
+        self.reason = "not started"
+        """Why it is in its state (the last transition's reason)."""
         self.attempt = 0
         self.restarts_used = 0
         self.alive: set[int] = set()
@@ -274,7 +276,7 @@ class GroupMachine:
     # -- transitions -------------------------------------------------------------
 
     def _move(self, new: GroupState, reason: str) -> Transition:
-        old, self.state = self.state, new
+        old, self.state, self.reason = self.state, new, reason
         return Transition(old, new, reason, self.attempt)
 
     def _spawn(self, reason: str) -> list[Action]:

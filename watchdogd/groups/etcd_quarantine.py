@@ -129,17 +129,29 @@ class EtcdQuarantine(Feature):
             if counted and self.failures.count(time.monotonic()):
                 window = f"{self.failures.window / 60:g} min"
                 reason = f"{len(self.failures)} node failures within {window}, the last: "
-                aside = SetAside(reason + claim.reason, time.time())
-                await self.store.put(self._key(self.node), encode(aside), deadline=self._deadline())
+                await self._set_aside(reason + claim.reason)
         found = await self.store.get(self._key(self.node), deadline=self._deadline())
         if found is not None:
             await self._sit_out(msgspec.json.decode(found.value, type=SetAside))
 
-    async def _sit_out(self, aside: SetAside) -> None:
-        key = self._key(self.node)
-        self.reason = aside.reason
-        # Its record gone, the leader counts it lost: the others' round ends without it.
-        await self.store.delete(NODES + self.backend.rendezvous.node_id, deadline=self._deadline())
+    async def unhealthy(self, reason: str) -> None:
+        """The group cannot run here (a GPU's fatal error, a worker in D state): the node's
+        beyond doubt, and no restart follows. Set it aside at once; the group's end
+        revokes its lease, and the job goes on without it (a standby in its rank)."""
+        try:
+            aside = await self._set_aside(reason)
+        except RendezvousConnectionError as e:
+            log.warning("quarantine: %s not set aside: %s", self.node, e)
+            return
+        self.reason = reason
+        self._emit_set_aside(aside)
+
+    async def _set_aside(self, reason: str) -> SetAside:
+        aside = SetAside(reason, time.time())
+        await self.store.put(self._key(self.node), encode(aside), deadline=self._deadline())
+        return aside
+
+    def _emit_set_aside(self, aside: SetAside) -> None:
         self.events.emit(
             "node_quarantined",
             group=self.group,
@@ -148,6 +160,13 @@ class EtcdQuarantine(Feature):
             reason=aside.reason,
             since=aside.since,
         )
+
+    async def _sit_out(self, aside: SetAside) -> None:
+        key = self._key(self.node)
+        self.reason = aside.reason
+        # Its record gone, the leader counts it lost: the others' round ends without it.
+        await self.store.delete(NODES + self.backend.rendezvous.node_id, deadline=self._deadline())
+        self._emit_set_aside(aside)
         async with anyio.create_task_group() as tg:
             mirror = Mirror(key)
             await tg.start(mirror.run, self.store)

@@ -323,7 +323,11 @@ class GroupRunner:
                 except GroupError as e:  # an attempt that cannot start: no restart helps
                     self.events.emit("group_error", group=self.spec.name, reason=str(e))
                     final = await self._cannot_run(str(e), exitcode=127)
-                await self.rendezvous.finish(final)
+                if final is GroupState.UNHEALTHY and self.quarantine is not None:
+                    # The node's beyond doubt: it leaves the job, which goes on without it.
+                    await self.quarantine.unhealthy(self.machine.reason)
+                else:
+                    await self.rendezvous.finish(final)
                 tg.cancel_scope.cancel()
             return final
         finally:
