@@ -345,6 +345,8 @@ class SpareInfo(msgspec.Struct, kw_only=True):
     ready: bool
     """Its modules are imported."""
     rss_bytes: int | None = None
+    ready_after_s: float | None = None
+    """Seconds from its start to ready (None while it warms)."""
 
 
 class GroupInfo(msgspec.Struct, kw_only=True):
@@ -360,3 +362,6 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     """Wall-clock time of the first attempt."""
     oom_kills: int = 0
     """Processes of its workers' cells the kernel's OOM killer ended, over all attempts."""
+    failed_without_progress: int = 0
+    """Attempts in a row that failed without progress (``max_no_progress_restarts`` ends the
+    run past it)."""

@@ -234,7 +234,9 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
             for w in sorted(group.workers, key=lambda w: w.local_rank)
         )
         spares = " ".join(
-            f"{s.local_rank}:{s.pid}{'' if s.ready else ' warming'}" + _mib(s.rss_bytes)
+            f"{s.local_rank}:{s.pid}"
+            + (f" ready {s.ready_after_s:.1f}s" if s.ready_after_s is not None else " warming")
+            + _mib(s.rss_bytes)
             for s in group.spares
         )
         failure = group.last_failure
@@ -251,7 +253,7 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
             )
         )
     headers = ["GROUP", "STATE", "ATTEMPT", "RESTARTS LEFT", "RANK:PID PEAK",
-               "SPARES (RANK:PID RSS)", "LAST FAILURE", "STRAGGLERS"]  # fmt: skip
+               "SPARES (RANK:PID WARM-UP RSS)", "LAST FAILURE", "STRAGGLERS"]  # fmt: skip
     print(tabulate(rows, headers=headers))
 
 

@@ -12,7 +12,8 @@ nodes (the design's part 6, on
   closed, which stops every node;
 - while workers run, a node waiting to join (scale-up) restarts the group
   without counting; a lost node fails the attempt (counted); a closed
-  rendezvous stops it;
+  rendezvous stops it; a round this node leaves by itself (its attempt
+  ended here) is watched no more, so its own asking never restarts the next;
 - a node beyond ``max_nodes`` stands by in its round (no join timeout), its
   spares warm; when the job ends without it, its group SUCCEEDED;
 - at the end, the exit barrier holds this node until every node's group
@@ -81,6 +82,7 @@ class EtcdBackend:
         """False once the job ended while this node stood by: it has no barrier to wait at."""
         self._local_restarts_seen = 0
         self._new_round = anyio.Event()
+        self._watching: anyio.CancelScope | None = None
 
     async def __aenter__(self) -> Self:
         await self.rendezvous.__aenter__()
@@ -103,6 +105,7 @@ class EtcdBackend:
 
         A failed attempt (the local count rose) is counted once for the whole job.
         """
+        self._stop_watching()
         counted = restart_count > self._local_restarts_seen
         self._local_restarts_seen = restart_count
         if counted:
@@ -126,7 +129,18 @@ class EtcdBackend:
         while True:
             await self._new_round.wait()
             self._new_round = anyio.Event()
-            on_change(await self.rendezvous.wait_for_membership_change())
+            with anyio.CancelScope() as self._watching:
+                on_change(await self.rendezvous.wait_for_membership_change())
+
+    def _stop_watching(self) -> None:
+        """This node left its round (its attempt ended here): stop watching that round.
+
+        Its own asking for the next round shows in the old round's document
+        as a node waiting; reported, that change would restart the next
+        attempt, whose asking the others see as waiting, and so on forever.
+        """
+        if self._watching is not None:
+            self._watching.cancel()
 
     async def finish(self, state: GroupState) -> None:
         """Close the job on failure, then wait at the exit barrier for the others

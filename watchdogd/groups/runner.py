@@ -296,6 +296,7 @@ class GroupRunner:
             spares=[info for feature in self.features for info in feature.spare_infos()],
             started_at=self.started_at,
             oom_kills=self.oom_kills,
+            failed_without_progress=self.progress.streak,
         )
 
     def _rendezvous_info(self) -> RendezvousInfo | None:
@@ -440,6 +441,14 @@ class GroupRunner:
                         worker.child.send_signal(signum)
                 case Finished(state):
                     final = state
+                    if self.progress.exhausted:
+                        self.events.emit_at(
+                            logging.ERROR,
+                            "no_progress",
+                            group=self.spec.name,
+                            attempts=self.progress.streak,
+                            causes="; ".join(self.no_progress_report()[1:]),
+                        )
         return final
 
     def _stop_order(self, local_ranks: Iterable[int]) -> list[Worker]:

@@ -116,7 +116,7 @@ def _populated(path: Path) -> bool:
         return False
 
 
-def _members(path: Path) -> list[int]:
+def members(path: Path) -> list[int]:
     """Every pid in ``path`` and below."""
     pids: list[int] = []
     for directory, _, _ in os.walk(path):
@@ -171,7 +171,7 @@ class CgroupCell:
 
     def alive(self) -> list[int]:
         """The pids still in it (none once ``populated 0``)."""
-        return _members(self.path) if _populated(self.path) else []
+        return members(self.path) if _populated(self.path) else []
 
     def remove(self) -> None:
         """rmdir, once empty (a cgroup with processes stays, and is swept with the job)."""
@@ -361,11 +361,14 @@ def _kill_left(cells: Sequence[Cell]) -> list[int]:
     return left
 
 
+def job_name() -> str:
+    """This process's job cgroups' name: its owner's pid and start time (:func:`owner_gone`)."""
+    return f"watchdogd-{os.getpid()}-{read_stat(os.getpid()).start_time}"
+
+
 def open_job_cgroup() -> JobCgroup:
     """This process's job cgroup, created (OSError naming why it cannot be)."""
-    base = _base()
-    start = read_stat(os.getpid()).start_time
-    path = base / f"watchdogd-{os.getpid()}-{start}"
+    path = _base() / job_name()
     path.mkdir()
     if not (path / "cgroup.kill").exists():
         path.rmdir()
@@ -381,6 +384,14 @@ class Stale(NamedTuple):
     pids: list[int]
 
 
+def owner_gone(name: str) -> int | None:
+    """The owner's pid of a job cgroup named ``name`` whose owner is gone (else None)."""
+    match = _JOB.fullmatch(name)
+    if match is None or still_runs(int(match[1]), int(match[2])):
+        return None
+    return int(match[1])
+
+
 def sweep_stale() -> list[Stale]:
     """Kill and remove the job cgroups beside ours whose owner is gone (none if no v2)."""
     try:
@@ -390,12 +401,12 @@ def sweep_stale() -> list[Stale]:
         return []
     found = []
     for entry in entries:
-        match = _JOB.fullmatch(entry.name)
-        if match is None or still_runs(int(match[1]), int(match[2])):
+        owner = owner_gone(entry.name)
+        if owner is None:
             continue
-        pids = _members(entry)
+        pids = members(entry)
         _kill(entry)
-        found.append(Stale(str(entry), int(match[1]), pids))
+        found.append(Stale(str(entry), owner, pids))
     return found
 
 

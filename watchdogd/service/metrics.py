@@ -213,8 +213,22 @@ class Metrics(Collector):
             "Processes of a group's workers' cells the kernel's OOM killer ended.",
             labels=["group"],
         )
+        spares_ready = GaugeMetricFamily(
+            "watchdogd_spares_ready",
+            "Warm spares ready to take a rank (--prewarm): back to nproc once the pool refilled.",
+            labels=["group"],
+        )
+        no_progress = GaugeMetricFamily(
+            "watchdogd_group_failed_without_progress",
+            "Attempts in a row that failed without a new step (past max_no_progress_restarts "
+            "the run ends, not to be requeued).",
+            labels=["group"],
+        )
         for info in self.infos():
             left.add_metric([info.name], info.restarts_left)
+            no_progress.add_metric([info.name], info.failed_without_progress)
+            if info.spares:
+                spares_ready.add_metric([info.name], sum(s.ready for s in info.spares))
             rdzv = info.rendezvous
             if rdzv is not None and rdzv.round is not None:
                 round_.add_metric([info.name], rdzv.round)
@@ -226,7 +240,17 @@ class Metrics(Collector):
                 if worker.memory_peak_bytes is not None:
                     peak.add_metric([info.name, str(worker.rank)], worker.memory_peak_bytes)
             oom.add_metric([info.name], info.oom_kills)
-        yield from (left, round_, waiting, standby, quarantined, peak, oom)
+        yield from (
+            left,
+            no_progress,
+            spares_ready,
+            round_,
+            waiting,
+            standby,
+            quarantined,
+            peak,
+            oom,
+        )
 
     def _stragglers(self) -> Iterator[Metric]:
         watch = self.stragglers
