@@ -128,7 +128,7 @@ class EtcdQuarantine(Feature):
             counted = counts_against_node(claim.fault, first_in_job=claim.first_in_job)
             if counted and self.failures.count(time.monotonic()):
                 window = f"{self.failures.window / 60:g} min"
-                reason = f"{len(self.failures)} node failures within {window}, the last: "
+                reason = f"{len(self.failures)} node failure(s) within {window}, the last: "
                 await self._set_aside(reason + claim.reason)
         found = await self.store.get(self._key(self.node), deadline=self._deadline())
         if found is not None:
