@@ -166,3 +166,26 @@ def test_a_python_exception_on_every_node_sets_nobody_aside(
     # The first to fail claimed its round (a node told of it first stops without failing).
     assert any(events_of(log, "worker_failed") for log in logs)
     assert all(events_of(log, "node_quarantined") == [] for log in logs)
+
+
+def test_a_node_set_aside_leaves_with_0_when_the_job_ends_without_it(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    run = f"job-{uuid.uuid4().hex[:8]}"
+    nodes = [node(etcd, run, tmp_path, "1:2", 0, "--node-name", name, "--event-log",
+                  str(tmp_path / f"{name}.jsonl"), *QUARANTINE, code=WORKER)
+             for name in ("node-a", "node-b")]  # fmt: skip
+    wait_until(lambda: len(ranks_run(tmp_path)) == 2, timeout=60)
+    a, b = nodes
+    (a_rank,) = (r["GROUP_RANK"] for r in of(a, ranks_run(tmp_path)))
+    (tmp_path / "out" / f"kill-{a_rank}").touch()
+    wait_until(lambda: len(ranks_run(tmp_path)) == 3, timeout=30)  # b, alone (MIN 1)
+    again = [
+        r["RANK"] for r in of(b, ranks_run(tmp_path)) if r["TORCHELASTIC_RESTART_COUNT"] == "1"
+    ]
+    assert again == ["0"]
+    assert events_of(tmp_path / "node-a.jsonl", "node_quarantined") != []
+    (tmp_path / "out" / "done").touch()
+    assert finish(b, a, timeout=20) == [0, 0]  # a no longer waits for an operator
+    ended = events_of(tmp_path / "node-a.jsonl", "group_state")[-1]["metadata"]
+    assert ended["state"] == "SUCCEEDED" and "set aside" in ended["reason"]

@@ -15,8 +15,9 @@ The rule (which failures are the node's, which count, when enough did) is
 A node set aside leaves the job: it deletes its own record, which the leader
 takes for a lost member, so the others' round fails and the next one gives
 its rank to a standby. It then waits, before its next round, until the key
-is gone, and asks for a place as a newcomer (a standby, if the round is full).
-Meanwhile ``/healthz`` answers 503 and ``watchdogctl status`` says why.
+is gone, and asks for a place as a newcomer (a standby, if the round is full),
+or until the job is over, when it leaves as a standby the job ended without
+does. Meanwhile ``/healthz`` answers 503 and ``watchdogctl status`` says why.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ import msgspec
 
 from watchdogd.core.ports import EventSink, GroupError
 from watchdogd.core.quarantine import NodeFailures, NodeFault, counts_against_node
-from watchdogd.core.rdzv_state import RendezvousConnectionError
+from watchdogd.core.rdzv_state import (
+    RendezvousConnectionError,
+    RendezvousGracefulExitError,
+    where,
+)
 from watchdogd.groups.etcd_backend import EtcdBackend
-from watchdogd.groups.etcd_documents import NODES, encode, run_prefix
+from watchdogd.groups.etcd_documents import NODES, STATE, encode, run_prefix, state_of
 from watchdogd.groups.etcd_store import EtcdStore, Mirror, parse_endpoints
 from watchdogd.groups.features import Feature
 from watchdogd_client.groups import GroupSpec
@@ -63,6 +68,11 @@ class _Claim:
         self.fault = fault
         self.first_in_job = False
         self.settled = anyio.Event()
+
+
+async def _then_cancel(mirror: Mirror, revision: int, scope: anyio.CancelScope) -> None:
+    await mirror.wait_past(revision)
+    scope.cancel()
 
 
 class EtcdQuarantine(Feature):
@@ -167,14 +177,32 @@ class EtcdQuarantine(Feature):
         # Its record gone, the leader counts it lost: the others' round ends without it.
         await self.store.delete(NODES + self.backend.rendezvous.node_id, deadline=self._deadline())
         self._emit_set_aside(aside)
-        async with anyio.create_task_group() as tg:
-            mirror = Mirror(key)
-            await tg.start(mirror.run, self.store)
-            while key in mirror.values:
-                await mirror.wait_past(mirror.revision)
-            tg.cancel_scope.cancel()
+        over = await self._until_cleared_or_over(key)
         self.reason = None
+        if over:  # as a standby's: it had no place in the job's last round, no barrier
+            self.backend.needed = False
+            raise RendezvousGracefulExitError("the job ended while this node was set aside")
         self.events.emit("quarantine_over", group=self.group, node=self.node)
+
+    async def _until_cleared_or_over(self, key: str) -> bool:
+        """Wait until ``key`` is deleted (False) or the job is over (True: the run closed,
+        or its last round ended), watching both keys."""
+        aside, rounds = Mirror(key), Mirror(STATE)
+        node_id = self.backend.rendezvous.node_id
+
+        def over() -> bool:
+            return where(state_of(rounds.values.get(STATE)), node_id, -1) == "over"
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(aside.run, self.store)
+            await tg.start(rounds.run, self.store)
+            while key in aside.values and not over():
+                seen = (aside.revision, rounds.revision)  # before any other task runs
+                async with anyio.create_task_group() as either:
+                    for mirror, revision in zip((aside, rounds), seen, strict=True):
+                        either.start_soon(_then_cancel, mirror, revision, either.cancel_scope)
+            tg.cancel_scope.cancel()
+        return key in aside.values
 
     # -- the operator ------------------------------------------------------------
 
