@@ -93,6 +93,8 @@ class EtcdQuarantine(Feature):
             call_timeout=_CALL_TIMEOUT,
             on_outage=self._on_outage,
         )
+        self._patience = rdzv.join_timeout
+        """How long a call before a round waits for etcd: as long as joining the round."""
         self._claim: _Claim | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -139,8 +141,8 @@ class EtcdQuarantine(Feature):
             if counted and self.failures.count(time.monotonic()):
                 window = f"{self.failures.window / 60:g} min"
                 reason = f"{len(self.failures)} node failure(s) within {window}, the last: "
-                await self._set_aside(reason + claim.reason)
-        found = await self.store.get(self._key(self.node), deadline=self._deadline())
+                await self._set_aside(reason + claim.reason, self._before_round())
+        found = await self.store.get(self._key(self.node), deadline=self._before_round())
         if found is not None:
             await self._sit_out(msgspec.json.decode(found.value, type=SetAside))
 
@@ -149,16 +151,16 @@ class EtcdQuarantine(Feature):
         beyond doubt, and no restart follows. Set it aside at once; the group's end
         revokes its lease, and the job goes on without it (a standby in its rank)."""
         try:
-            aside = await self._set_aside(reason)
+            aside = await self._set_aside(reason, self._deadline())
         except RendezvousConnectionError as e:
             log.warning("quarantine: %s not set aside: %s", self.node, e)
             return
         self.reason = reason
         self._emit_set_aside(aside)
 
-    async def _set_aside(self, reason: str) -> SetAside:
+    async def _set_aside(self, reason: str, deadline: float) -> SetAside:
         aside = SetAside(reason, time.time())
-        await self.store.put(self._key(self.node), encode(aside), deadline=self._deadline())
+        await self.store.put(self._key(self.node), encode(aside), deadline=deadline)
         return aside
 
     def _emit_set_aside(self, aside: SetAside) -> None:
@@ -175,7 +177,8 @@ class EtcdQuarantine(Feature):
         key = self._key(self.node)
         self.reason = aside.reason
         # Its record gone, the leader counts it lost: the others' round ends without it.
-        await self.store.delete(NODES + self.backend.rendezvous.node_id, deadline=self._deadline())
+        record = NODES + self.backend.rendezvous.node_id
+        await self.store.delete(record, deadline=self._before_round())
         self._emit_set_aside(aside)
         over = await self._until_cleared_or_over(key)
         self.reason = None
@@ -227,3 +230,6 @@ class EtcdQuarantine(Feature):
     @staticmethod
     def _deadline() -> float:
         return time.monotonic() + _ETCD_TIMEOUT
+
+    def _before_round(self) -> float:
+        return time.monotonic() + self._patience
