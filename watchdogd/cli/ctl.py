@@ -182,11 +182,12 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
     for group in client.list_groups():
         rdzv = group.rendezvous
         if rdzv is not None:
-            place = (
-                "STANDBY: waits beside the full round, to take the rank of the next node lost"
-                if rdzv.standby
-                else f"rank {rdzv.group_rank} of {rdzv.group_world_size} nodes"
-            )
+            if rdzv.quarantined is not None:
+                place = f"QUARANTINED, out of the job until cleared: {rdzv.quarantined}"
+            elif rdzv.standby:
+                place = "STANDBY: waits beside the full round, to take a lost node's rank"
+            else:
+                place = f"rank {rdzv.group_rank} of {rdzv.group_world_size} nodes"
             print(
                 f"rendezvous {group.name}: {rdzv.backend}, run {rdzv.run_id}, round {rdzv.round}, "
                 f"{place}, {rdzv.waiting} waiting"
@@ -272,6 +273,8 @@ def _shown_state(group: GroupInfo) -> str:
     rdzv = group.rendezvous
     if rdzv is not None and rdzv.fenced_since is not None:
         return "FENCED"
+    if rdzv is not None and rdzv.quarantined is not None:
+        return "QUARANTINED"
     if rdzv is not None and rdzv.standby:
         return "STANDBY"
     return group.state.value
@@ -296,6 +299,11 @@ def cmd_stop(client: SocketTimerClient, args: argparse.Namespace) -> None:
 def cmd_restart(client: SocketTimerClient, args: argparse.Namespace) -> None:
     """Restart a group's workers now, without spending one of its restarts."""
     print(client.restart_group(args.name))
+
+
+def cmd_quarantine(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """Bring a node its etcd job set aside back into the job (it rejoins as a newcomer)."""
+    print(client.request(p.ClearQuarantine(args.clear), p.Ok).message)
 
 
 def cmd_inject(client: SocketTimerClient, args: argparse.Namespace) -> None:
@@ -450,6 +458,7 @@ COMMANDS = {
     "stop": cmd_stop,
     "restart": cmd_restart,
     "inject": cmd_inject,
+    "quarantine": cmd_quarantine,
 }
 
 
@@ -494,6 +503,9 @@ def _parser() -> argparse.ArgumentParser:
     subs["submit"].add_argument("spec", metavar="SPEC.toml", help="a group spec (see README)")
     for name in ("stop", "restart", "inject"):
         subs[name].add_argument("name", metavar="NAME", help="the group's name")
+    subs["quarantine"].add_argument(
+        "--clear", required=True, metavar="NODE", help="the node's name (--node-name)"
+    )
     subs["inject"].add_argument(
         "fault",
         metavar="FAULT",

@@ -61,12 +61,14 @@ class EtcdBackend:
         self.spec = spec
         self.advertise = rdzv.advertise_addr or route_address(rdzv.endpoints[0], 2379)
         self._on_event = on_event
+        self.node_name = rdzv.node_name or socket.gethostname()
+        """Stable across agents, unlike the rendezvous's node id: what a quarantine names."""
         self.rendezvous = EtcdRendezvous(
             rdzv.endpoints,
             rdzv.run_id,
             rdzv.min_nodes or rdzv.nnodes,
             rdzv.nnodes,
-            node_name=socket.gethostname(),
+            node_name=self.node_name,
             advertise_addr=self.advertise,
             lease_ttl=math.ceil(rdzv.lease_ttl),  # etcd grants whole seconds
             last_call=rdzv.last_call,
