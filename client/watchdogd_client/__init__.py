@@ -41,7 +41,6 @@ from ._timer_client import TimerClient
 __version__ = "0.1.0"
 
 __all__ = [
-    "__version__",
     "LEARN",
     "DaemonUnavailableError",
     "FifoFullError",
@@ -59,6 +58,7 @@ __all__ = [
     "TimerRequest",
     "TimerServer",
     "WatchdogError",
+    "__version__",
     "configure",
     "default_fifo_path",
     "default_runtime_dir",
