@@ -78,7 +78,8 @@ announces a change through a work queue (~3 ms late on a loaded machine) and at 
 20 ms per file, while a killed process is mostly gone in well under 1 ms."""
 _KEEPER_STOP_TIMEOUT = 1.0
 
-_JOB = re.compile(r"watchdogd-(\d+)-(\d+)")
+_JOB = re.compile(r"watchdogd-(\d+)-(\d+)(?:\.\d+)?")
+_jobs = itertools.count(1)
 
 
 def v2_mount(mountinfo: str) -> str | None:
@@ -362,8 +363,9 @@ def _kill_left(cells: Sequence[Cell]) -> list[int]:
 
 
 def job_name() -> str:
-    """This process's job cgroups' name: its owner's pid and start time (:func:`owner_gone`)."""
-    return f"watchdogd-{os.getpid()}-{read_stat(os.getpid()).start_time}"
+    """A new job cgroup's name: its owner's pid and start time (:func:`owner_gone`), and a
+    serial (one process may run jobs one after another: a launch API's callers do)."""
+    return f"watchdogd-{os.getpid()}-{read_stat(os.getpid()).start_time}.{next(_jobs)}"
 
 
 def open_job_cgroup() -> JobCgroup:
