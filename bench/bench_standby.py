@@ -34,8 +34,10 @@ from _harness import percentile, wait_until
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.etcd import EtcdServer, find_etcd, running_etcd  # noqa: E402  (the suite's etcd)
+from tests.report_then_wait import REPORT_THEN_WAIT  # noqa: E402
 
-WORKER = """
+WORKER = (
+    """
 import json, os, sys, time
 first_line = time.time()
 import torch
@@ -43,13 +45,9 @@ ready = time.time()
 out = sys.argv[1]
 report = {"group_rank": os.environ["GROUP_RANK"], "agent": os.environ["BENCH_AGENT"],
           "first_line": first_line, "ready": ready}
-path = os.path.join(out, f"{os.getpid()}.json")
-with open(path + ".part", "w") as f:
-    json.dump(report, f)
-os.rename(path + ".part", path)
-while not os.path.exists(os.path.join(out, "done")):
-    time.sleep(0.05)
 """
+    + REPORT_THEN_WAIT
+)
 
 
 def agent(

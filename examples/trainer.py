@@ -1,11 +1,12 @@
 """A toy trainer: steps wrapped in ``expires``, told to succeed, crash or hang.
 
-    WATCHDOGD_SOCKET=/run/watchdogd/watchdogd.sock python examples/trainer.py --steps 5
+    python examples/trainer.py --steps 5
     python examples/trainer.py --hang-at 3 --step-timeout 2   # killed by watchdogd
 
 No torch needed. Under torchrun-style launchers it reads RANK/LOCAL_RANK for
 its log lines; the timer client comes from the environment
-(``WATCHDOGD_SOCKET``, else torch's ``TORCHELASTIC_TIMER_FILE``).
+(``WATCHDOGD_SOCKET``, else torch's ``TORCHELASTIC_TIMER_FILE``, else the
+socket ``watchdogd serve`` listens on by default for this user).
 """
 
 from __future__ import annotations

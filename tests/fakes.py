@@ -195,6 +195,10 @@ class FakeGroups:
     def inject(self, name: str, fault: Fault) -> None:
         self._command(f"inject {fault.kind}", name)
 
+    def clear_quarantine(self, node: str) -> str:
+        self._command("clear quarantine", node)
+        return f"clearing {node}"
+
     def infos(self) -> list[GroupInfo]:
         return []
 

@@ -38,6 +38,8 @@ from ._socket import SocketTimerClient
 from ._timer import configure, expires, get_client, progress
 from ._timer_client import TimerClient
 
+__version__ = "0.1.0"
+
 __all__ = [
     "LEARN",
     "DaemonUnavailableError",
@@ -56,6 +58,7 @@ __all__ = [
     "TimerRequest",
     "TimerServer",
     "WatchdogError",
+    "__version__",
     "configure",
     "default_fifo_path",
     "default_runtime_dir",

@@ -10,7 +10,9 @@ ends. It differs where torch's hurts:
   nested scope-less timers share one scope; ours name the line that wrote
   the ``with``;
 - without :func:`configure`, the client comes from the environment:
-  ``WATCHDOGD_SOCKET``, then ``TORCHELASTIC_TIMER_FILE``;
+  ``WATCHDOGD_SOCKET``, then ``TORCHELASTIC_TIMER_FILE``, then the socket
+  ``watchdogd serve`` listens on by default for this user, then the node's
+  (``/run/watchdogd/watchdogd.sock``), if one is there;
 - it is a class, so it works as a context manager and as a decorator;
 - ``after=LEARN`` (or ``LEARN(initial=600)``) lets the daemon choose the
   deadline from the scope's history, with no extra round trip (see
@@ -29,6 +31,7 @@ from . import _device_time, _faults
 from ._errors import NotConfiguredError, RequestError, WatchdogError
 from ._fifo import FileTimerClient
 from ._learn import Learn
+from ._paths import default_socket_path, found_sockets
 from ._socket import SocketTimerClient
 from ._timer_client import TimerClient, acquire_learned
 
@@ -59,8 +62,14 @@ def _client_from_environment() -> TimerClient:
     fifo_path = os.environ.get("TORCHELASTIC_TIMER_FILE")
     if fifo_path:
         return FileTimerClient(fifo_path)
+    # Nothing said: where `watchdogd serve` listens by default for this user, or the node's.
+    found = found_sockets()
+    if found:
+        return SocketTimerClient(str(found[0]))
     raise NotConfiguredError(
-        "no timer client: call watchdogd_client.configure(SocketTimerClient()) "
+        f"no timer client: no daemon listens at {default_socket_path()} (watchdogd serve's "
+        "default for this user) or at the node's; call "
+        "watchdogd_client.configure(SocketTimerClient(path)) "
         "(or FileTimerClient(path)), pass client=..., or set WATCHDOGD_SOCKET "
         "(or TORCHELASTIC_TIMER_FILE) in the environment"
     )

@@ -171,6 +171,9 @@ class RendezvousSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Default: etcd, the route to etcd; c10d, this machine's FQDN (torch's choice).
     """
+    node_name: Annotated[str, msgspec.Meta(pattern=r"^[^/\s]{1,255}$")] | None = None
+    """etcd: this node's stable name in the job, the one a quarantine names (None: the
+    host name)."""
     lease_ttl: Annotated[float, msgspec.Meta(ge=2)] = 10
     """etcd: seconds after which a dead or cut-off node counts as lost (rounded up to
     whole seconds, as etcd grants leases)."""
@@ -213,6 +216,8 @@ class RendezvousInfo(msgspec.Struct, kw_only=True):
     standby: bool = False
     """This node waits beside a full round, to take the rank of the next node lost
     (``round``, ``group_rank``: its last round's, if it ran one)."""
+    quarantined: str | None = None
+    """Why this node is set aside, out of the job until an operator clears it (None: not)."""
 
 
 class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -265,6 +270,11 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     gpu_release_timeout: NonNegativeSeconds = 30.0
     """Before a restart, how long to wait for the last attempt's processes to give their
     GPU memory back (NVML; 0: don't wait)."""
+    quarantine_after: NonNegative = 3
+    """etcd: this many failures of this node's workers within ``quarantine_window``, each
+    the node's (a signal, a hang, the OOM killer) and the first of its round in the job,
+    set the node aside: it leaves the job until ``watchdogctl quarantine --clear`` (0: off)."""
+    quarantine_window: Seconds = 3600.0
     worker_memory_max: MemoryBytes | None = None
     """Each worker's memory cap in bytes, with all it starts (its memory cgroup's
     ``memory.max`` or v1 ``memory.limit_in_bytes``; swap not counted); past it the
@@ -335,6 +345,8 @@ class SpareInfo(msgspec.Struct, kw_only=True):
     ready: bool
     """Its modules are imported."""
     rss_bytes: int | None = None
+    ready_after_s: float | None = None
+    """Seconds from its start to ready (None while it warms)."""
 
 
 class GroupInfo(msgspec.Struct, kw_only=True):
@@ -350,3 +362,6 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     """Wall-clock time of the first attempt."""
     oom_kills: int = 0
     """Processes of its workers' cells the kernel's OOM killer ended, over all attempts."""
+    failed_without_progress: int = 0
+    """Attempts in a row that failed without progress (``max_no_progress_restarts`` ends the
+    run past it)."""

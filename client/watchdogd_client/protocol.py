@@ -43,6 +43,7 @@ __all__ = [
     "MAX_FRAME_SIZE",
     "PROTOCOL_VERSION",
     "Acquire",
+    "ClearQuarantine",
     "DeviceTime",
     "DumpInfo",
     "DumpList",
@@ -298,6 +299,13 @@ class RestartGroup(msgspec.Struct, tag="restart_group", tag_field="op"):
     name: str
 
 
+class ClearQuarantine(msgspec.Struct, tag="clear_quarantine", tag_field="op"):
+    """Bring node ``node``, set aside by its etcd job, back into the job (root or the admin
+    group). Answered with :class:`Ok`."""
+
+    node: str
+
+
 class InjectFault(msgspec.Struct, tag="inject", tag_field="op"):
     """Inject ``fault`` into group ``name`` ``fault.after`` seconds from now (root or the
     admin group, and only where the config enables ``fault_injection``). Answered with
@@ -327,6 +335,7 @@ Request = (
     | SubmitGroup
     | StopGroup
     | RestartGroup
+    | ClearQuarantine
     | InjectFault
 )
 

@@ -153,12 +153,14 @@ async def test_a_stopped_rank_is_killed_at_its_deadline_without_waiting_for_stac
     short_dir: Path,
 ) -> None:
     # A stopped process writes no faulthandler dump: the kill must not wait the
-    # stack_dump_timeout (2 s) for one, and its event says why there is none.
+    # stack_dump_timeout (2 s) for one, and its event says why there is none. The
+    # workers start slowly (as under load): the stop waits for the first timer
+    # client, since a worker stopped before it armed a timer would hang unseen.
     spec = GroupSpec(
         name="train",
-        entrypoint=[sys.executable, "-c", STEPS, "400"],
+        entrypoint=[sys.executable, "-c", "import time; time.sleep(1)\n" + STEPS, "400"],
         nproc=2,
-        faults=[Fault(kind="sigstop", rank=1, after=0.5)],
+        faults=[Fault(kind="sigstop", rank=1, after=0.2)],
     )
     async with running_daemon(short_dir, groups=[spec], fault_injection=True) as daemon:
         runner = daemon.supervisor.get("train")

@@ -25,7 +25,7 @@ import watchdogd_client as wd
 from watchdogd.core.stragglers import Stragglers
 from watchdogd.service.metrics import LoopMonitor, Metrics
 from watchdogd.service.stats import Stats
-from watchdogd_client.groups import GroupInfo, GroupState, RendezvousInfo
+from watchdogd_client.groups import GroupInfo, GroupState, RendezvousInfo, SpareInfo
 
 from ..conftest import python, running_daemon, wait_for, wait_until
 
@@ -221,14 +221,17 @@ async def test_healthz_goes_503_while_the_loop_is_blocked(short_dir: Path) -> No
         assert (await anyio.to_thread.run_sync(get, url))[0] == 200
 
 
-def test_a_standby_node_shows_in_the_metrics() -> None:
-    def group(name: str, standby: bool) -> GroupInfo:
+def test_standby_spares_ready_and_attempts_without_progress_show_in_the_metrics() -> None:
+    def group(name: str, standby: bool, failed_without_progress: int) -> GroupInfo:
         rdzv = RendezvousInfo(backend="etcd", run_id="r", round=0, group_rank=-1,
                               group_world_size=0, standby=standby)  # fmt: skip
         return GroupInfo(name=name, state=GroupState.HEALTHY, attempt=0, restarts_left=0,
-                         workers=[], rendezvous=rdzv, started_at=0.0)  # fmt: skip
+                         workers=[], rendezvous=rdzv, started_at=0.0,
+                         failed_without_progress=failed_without_progress)  # fmt: skip
 
-    infos = [group("waits", True), group("runs", False)]
+    infos = [group("waits", True, 0), group("runs", False, 2)]
+    infos[1].spares = [SpareInfo(local_rank=0, pid=1, ready=True, ready_after_s=2.5),
+                       SpareInfo(local_rank=1, pid=2, ready=False)]  # fmt: skip
     no_stragglers = SimpleNamespace(board=Stragglers(), drilled=set(), drill_flags=0)
     metrics = Metrics(
         Stats(),
@@ -239,9 +242,10 @@ def test_a_standby_node_shows_in_the_metrics() -> None:
         lambda: infos,
         LoopMonitor(),  # type: ignore[arg-type]
     )
-    (family,) = (
-        f
+    families = {
+        f.name: {s.labels.get("group"): s.value for s in f.samples}
         for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
-        if f.name == "watchdogd_rendezvous_standby"
-    )
-    assert {s.labels["group"]: s.value for s in family.samples} == {"waits": 1.0, "runs": 0.0}
+    }
+    assert families["watchdogd_rendezvous_standby"] == {"waits": 1.0, "runs": 0.0}
+    assert families["watchdogd_group_failed_without_progress"] == {"waits": 0.0, "runs": 2.0}
+    assert families["watchdogd_spares_ready"] == {"runs": 1.0}  # a group with spares only

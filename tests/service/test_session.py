@@ -381,27 +381,29 @@ GROUP_COMMANDS = [
     p.StopGroup("train"),
     p.RestartGroup("train"),
     p.InjectFault("train", Fault(kind="hang", rank=1)),
+    p.ClearQuarantine("node-a"),
 ]
 
 
 def test_group_control_is_refused_to_a_peer_that_is_not_admin(fakes: FakePorts) -> None:
     session = greeted(fakes)
-    assert shape(send(session, *GROUP_COMMANDS)) == ["refused"] * 4
+    assert shape(send(session, *GROUP_COMMANDS)) == ["refused"] * 5
     assert fakes.groups.commands == []
 
 
 def test_group_control_by_an_admin(fakes: FakePorts) -> None:
     session = greeted(fakes, admin=True)
-    assert shape(send(session, *GROUP_COMMANDS)) == ["ok"] * 4
+    assert shape(send(session, *GROUP_COMMANDS)) == ["ok"] * 5
     assert fakes.groups.commands == [
         ("submit", "train"),
         ("stop", "train"),
         ("restart", "train"),
         ("inject hang", "train"),
+        ("clear quarantine", "node-a"),
     ]
     fakes.groups.refusal = "no group train"
     assert decoded(send(session, p.StopGroup("train"))) == [
-        p.Error(5, "group_error", "no group train")
+        p.Error(6, "group_error", "no group train")
     ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,7 +62,12 @@ def test_serve_reports_endpoints_and_stops_cleanly_on_sigterm(short_dir: Path) -
 
 def test_watchdogctl_timers_and_status(short_dir: Path) -> None:
     sock = short_dir / "watchdogd.sock"
-    with serve(short_dir):
+    with serve(short_dir) as daemon:
+        # Found by `pidof watchdogd-serve` and `pgrep -x watchdogd-serve`: not the kernel's
+        # own [watchdogd] thread, which `pidof watchdogd` finds.
+        assert Path(f"/proc/{daemon.pid}/comm").read_text() == "watchdogd-serve\n"
+        cmdline = Path(f"/proc/{daemon.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[:3] == [b"watchdogd-serve", b"--runtime-dir", bytes(short_dir)]
         trainer = subprocess.Popen(
             [*TRAINER, "--hang-at", "1", "--step-timeout", "30"],
             env={**os.environ, "WATCHDOGD_SOCKET": str(sock)},
@@ -88,7 +94,10 @@ def test_watchdogctl_timers_and_status(short_dir: Path) -> None:
                 assert "train_step" in table and "SIGKILL" in table
                 status = json.loads(ctl(sock, "status", "--json").stdout)
                 assert status["timers"] == 1
-                assert "timers" in ctl(sock, "status").stdout
+                shown = ctl(sock, "status").stdout
+                assert "timers" in shown
+                assert re.search(r"^uptime +\d+\.\d s$", shown, re.M), shown  # not 19.3838…
+                assert "being read" not in shown  # read at start: the first status has it
             finally:
                 trainer.kill()
 

@@ -17,8 +17,11 @@ import msgspec
 import pytest
 
 import watchdogd_client as wd
+from watchdogd_client import _timer
 from watchdogd_client import protocol as p
 from watchdogd_client.framing import FrameSplitter
+
+from ..conftest import wait_until
 
 
 class Recorder(wd.TimerClient):
@@ -103,6 +106,25 @@ def test_expires_configures_itself_from_the_environment(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "NotConfiguredError" in out.stderr
     assert "WATCHDOGD_SOCKET" in out.stderr and "configure(" in out.stderr
+    assert "no daemon listens at " in out.stderr  # the default socket, named
+
+
+def test_with_nothing_configured_the_client_finds_the_default_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    default = tmp_path / "watchdogd.sock"
+    for where in ("_paths", "_timer"):
+        monkeypatch.setattr(f"watchdogd_client.{where}.default_socket_path", lambda: default)
+    monkeypatch.setattr("watchdogd_client._paths.NODE_RUNTIME_DIR", tmp_path / "no-node")
+    for name in ("WATCHDOGD_SOCKET", "TORCHELASTIC_TIMER_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(wd.NotConfiguredError, match=str(default)):
+        _timer._client_from_environment()
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(default))  # where `watchdogd serve` listens for this user
+        client = _timer._client_from_environment()
+        assert isinstance(client, wd.SocketTimerClient)
+        assert client.path == str(default)
 
 
 def test_client_imports_only_stdlib_and_msgspec() -> None:
@@ -270,7 +292,8 @@ def test_a_page_from_an_older_daemon_is_closed_and_frames_are_used(short_dir: Pa
         try:
             client.acquire("step", time.time() + 60)
             client.release("step")
-            assert _open_memfds() == before
+            # The stand-in closes its own copy of the page just after sending it.
+            wait_until(lambda: _open_memfds() == before, timeout=5)
         finally:
             client.close()
     assert [type(r) for r in received] == [p.Hello, p.Acquire, p.Release]

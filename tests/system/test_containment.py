@@ -44,6 +44,8 @@ Path(out, f"worker-{os.getpid()}").touch()
 if sys.argv[3] == "hang":
     time.sleep(300)
 if os.environ["LOCAL_RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    while len(list(Path(out).glob("worker-*"))) < 2:  # its peer's children started too
+        time.sleep(0.01)
     sys.exit(3)
 """
 

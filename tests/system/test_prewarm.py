@@ -122,12 +122,18 @@ CRASH_ONCE = """
 def test_a_crash_restarts_onto_spares_and_new_ones_take_their_place(tmp_path: Path) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text(textwrap.dedent(CRASH_ONCE))
+    events = tmp_path / "events.jsonl"
     out = run("--nproc-per-node", "2", "--max-restarts", "1", "--prewarm", "wd_prewarm_probe",
-              str(worker), env=probe_env(tmp_path, tmp_path))  # fmt: skip
+              "--event-log", str(events), str(worker),
+              env=probe_env(tmp_path, tmp_path))  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "attempt 1 rank 0 spare=True" in out.stdout
     assert "attempt 1 rank 1 spare=True" in out.stdout
     assert "spares [(0, True, True), (1, True, True)]" in out.stdout
+    # Each attempt took both spares; the pool refilled after each, and says how long it took.
+    refills = [e["metadata"]["after_s"] for e in map(json.loads, events.read_text().splitlines())
+               if e["name"] == "spares_refilled"]  # fmt: skip
+    assert len(refills) == 2 and all(0 < after < 30 for after in refills), refills
 
 
 HANGS = """

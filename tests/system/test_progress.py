@@ -6,6 +6,7 @@ attempt resuming from a checkpoint file as a trainer would.
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 from pathlib import Path
@@ -30,9 +31,11 @@ def train(tmp_path: Path, *flags: str, **knobs: str) -> tuple[int, str]:
 
 def test_no_progress_after_k_restarts_ends_with_the_code_naming_the_rank(tmp_path: Path) -> None:
     # Attempt 0 completes a step; every later one, rank 1 fails before any.
+    events = tmp_path / "events.jsonl"
     status, stderr = train(
         tmp_path,
         "--nproc-per-node", "2", "--max-restarts", "10", "--max-no-progress-restarts", "2",
+        "--event-log", str(events),
         FAIL_AT="2 if n == 0 else 1", FAIL_RANK="1", OTHERS_WAIT="30", FINISH_AT="100",
     )  # fmt: skip
     assert status == EXIT_NO_PROGRESS == 93, stderr
@@ -41,7 +44,11 @@ def test_no_progress_after_k_restarts_ends_with_the_code_naming_the_rank(tmp_pat
         "do not requeue (exit 93): 2 failed attempts in a row made no progress "
         "(no timer released)" in stderr
     )
-    assert f"rank 1 on {socket.gethostname()}: exited with status 1 (2 of 2 attempts)" in stderr
+    cause = f"rank 1 on {socket.gethostname()}: exited with status 1 (2 of 2 attempts)"
+    assert cause in stderr
+    (event,) = [e for e in map(json.loads, events.read_text().splitlines())
+                if e["name"] == "no_progress"]  # fmt: skip
+    assert (event["metadata"]["attempts"], event["metadata"]["causes"]) == (2, cause)
 
 
 @pytest.mark.parametrize("report", ["0", "1"], ids=["releases", "reported"])

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import watchdogd_client as wd
+from watchdogd.linux.snapshot import SNAPSHOT_NAME, read_snapshot
 
 from ..conftest import REPO, fifo_line, wait_until
 
@@ -252,7 +253,13 @@ def test_sigkill_and_restart_loses_no_timer_and_no_fifo_request(short_dir: Path)
             os.write(fake.fifo_fd, fifo_line(victim.pid, "expires-in-the-gap", time.time() + 1))
             wait_until(lambda: wd.status(str(fake.socket_path)).timers == 1001)
             before = wd.status(str(fake.socket_path)).timers
-            time.sleep(0.3)  # > snapshot_interval: the snapshot holds them all
+
+            def snapshotted() -> int:
+                read = read_snapshot(short_dir / "state" / SNAPSHOT_NAME)
+                return len(read[1]) if read is not None else 0
+
+            # Written every snapshot_interval (0.1 s), later on a loaded machine.
+            wait_until(lambda: snapshotted() == before)
 
             assert fake.daemon is not None
             fake.daemon.kill()

@@ -53,6 +53,15 @@ def test_a_standby_the_job_ended_without_succeeds_with_nobody_to_stop() -> None:
     assert m.stop(now=1) == [] and m.not_needed("again") == []
 
 
+def test_an_attempt_stopped_while_it_waits_for_its_place_stops_at_once() -> None:
+    m = GroupMachine(nproc=2, max_restarts=1, shutdown_timeout=5)
+    m.start()  # spawned: a standby, or a node set aside, waits for a place
+    actions = m.abandon("SIGTERM received")
+    assert moves(actions) == [(S.HEALTHY, S.STOPPED)]
+    assert actions[-1] == Finished(S.STOPPED) and m.next_wake() is None
+    assert m.stop(now=1) == [] and m.abandon("again") == []
+
+
 def test_failure_stops_the_others_then_restarts_under_max_restarts() -> None:
     m = GroupMachine(nproc=3, max_restarts=1, shutdown_timeout=5)
     m.start()

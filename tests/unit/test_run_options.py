@@ -313,6 +313,7 @@ def test_daemon_config_checks_what_the_options_ask() -> None:
     drill = run_options({"faults": [{"kind": "kill", "rank": 0}], "event_log": "/tmp/e"})
     changed = daemon_config(drill, Config())
     assert (changed.fault_injection, changed.event_log) == (True, "/tmp/e")
+    assert daemon_config(cli("--metrics-listen", "9400"), Config()).metrics_listen == "9400"
     with pytest.raises(ConfigError, match="straggler_window"):
         daemon_config(run_options({"straggler_window": 1}), Config())
 
@@ -332,3 +333,26 @@ def test_what_the_group_spec_refuses_is_named_as_the_option(tmp_path: Path) -> N
     assert caught.value.field == "tee"
     with pytest.raises(ValueError, match=r"^node_rank 3 must be below nnodes 1$"):
         group_spec(run_options({"script": "t", "node_rank": 3}), host(tmp_path))
+
+
+def test_the_quarantine_rule_and_node_name_from_either_front(tmp_path: Path) -> None:
+    etcd = ("--rdzv-backend", "etcd", "--rdzv-endpoint", "etcd:2379", "--nnodes", "2:3")
+    spec = group_spec(cli(*etcd), host(tmp_path))
+    assert (spec.quarantine_after, spec.quarantine_window) == (3, 3600.0)
+    assert spec.rendezvous.node_name is None  # the agent takes the host name
+    flagged = cli(*etcd, "--quarantine-after", "1", "--quarantine-window", "2.5",
+                  "--node-name", "gpu-a7")  # fmt: skip
+    spec = group_spec(flagged, host(tmp_path))
+    assert (spec.quarantine_after, spec.quarantine_window) == (1, 150.0)
+    assert spec.rendezvous.node_name == "gpu-a7"
+    config = LaunchConfig(min_nodes=1, max_nodes=2, nproc_per_node=1, rdzv_backend="etcd",
+                          rdzv_endpoint="etcd:2379")  # fmt: skip
+    options = launch_options(config, ["prog"], quarantine_after=0, node_name="n1")
+    spec = group_spec(options, host(tmp_path))
+    assert (spec.quarantine_after, spec.rendezvous.node_name) == (0, "n1")
+    with pytest.raises(OptionsError) as caught:
+        cli("--quarantine-window", "0")
+    assert caught.value.field == "quarantine_window"
+    with pytest.raises(OptionsError) as caught:
+        group_spec(cli(*etcd, "--node-name", "a/b"), host(tmp_path))
+    assert caught.value.field == "node_name"

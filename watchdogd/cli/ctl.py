@@ -154,6 +154,16 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.3g}"
 
 
+def _duration(seconds: float) -> str:
+    """``19.4 s``, ``3 min 12 s``, ``2 h 05 min``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, whole = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {whole} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
 def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
     """Show the daemon's endpoints, counts and counters."""
     status = client.status()
@@ -164,6 +174,7 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
         return
     counters = {key: info.pop(key) for key in ("requests", "connections_refused", "suppressed")}
     gpus, gpu_note = info.pop("gpus"), info.pop("gpu_note")
+    info["uptime"] = _duration(info.pop("uptime_s"))
     rows = [(key.replace("_", " "), value) for key, value in info.items()]
     for key, counts in counters.items():
         rows += [(f"{key.replace('_', ' ')} {name}", n) for name, n in sorted(counts.items())]
@@ -171,11 +182,12 @@ def cmd_status(client: SocketTimerClient, args: argparse.Namespace) -> None:
     for group in client.list_groups():
         rdzv = group.rendezvous
         if rdzv is not None:
-            place = (
-                "STANDBY: waits beside the full round, to take the rank of the next node lost"
-                if rdzv.standby
-                else f"rank {rdzv.group_rank} of {rdzv.group_world_size} nodes"
-            )
+            if rdzv.quarantined is not None:
+                place = f"QUARANTINED, out of the job until cleared: {rdzv.quarantined}"
+            elif rdzv.standby:
+                place = "STANDBY: waits beside the full round, to take a lost node's rank"
+            else:
+                place = f"rank {rdzv.group_rank} of {rdzv.group_world_size} nodes"
             print(
                 f"rendezvous {group.name}: {rdzv.backend}, run {rdzv.run_id}, round {rdzv.round}, "
                 f"{place}, {rdzv.waiting} waiting"
@@ -233,7 +245,9 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
             for w in sorted(group.workers, key=lambda w: w.local_rank)
         )
         spares = " ".join(
-            f"{s.local_rank}:{s.pid}{'' if s.ready else ' warming'}" + _mib(s.rss_bytes)
+            f"{s.local_rank}:{s.pid}"
+            + (f" ready {s.ready_after_s:.1f}s" if s.ready_after_s is not None else " warming")
+            + _mib(s.rss_bytes)
             for s in group.spares
         )
         failure = group.last_failure
@@ -250,7 +264,7 @@ def cmd_groups(client: SocketTimerClient, args: argparse.Namespace) -> None:
             )
         )
     headers = ["GROUP", "STATE", "ATTEMPT", "RESTARTS LEFT", "RANK:PID PEAK",
-               "SPARES (RANK:PID RSS)", "LAST FAILURE", "STRAGGLERS"]  # fmt: skip
+               "SPARES (RANK:PID WARM-UP RSS)", "LAST FAILURE", "STRAGGLERS"]  # fmt: skip
     print(tabulate(rows, headers=headers))
 
 
@@ -259,6 +273,8 @@ def _shown_state(group: GroupInfo) -> str:
     rdzv = group.rendezvous
     if rdzv is not None and rdzv.fenced_since is not None:
         return "FENCED"
+    if rdzv is not None and rdzv.quarantined is not None:
+        return "QUARANTINED"
     if rdzv is not None and rdzv.standby:
         return "STANDBY"
     return group.state.value
@@ -283,6 +299,11 @@ def cmd_stop(client: SocketTimerClient, args: argparse.Namespace) -> None:
 def cmd_restart(client: SocketTimerClient, args: argparse.Namespace) -> None:
     """Restart a group's workers now, without spending one of its restarts."""
     print(client.restart_group(args.name))
+
+
+def cmd_quarantine(client: SocketTimerClient, args: argparse.Namespace) -> None:
+    """Bring a node its etcd job set aside back into the job (it rejoins as a newcomer)."""
+    print(client.request(p.ClearQuarantine(args.clear), p.Ok).message)
 
 
 def cmd_inject(client: SocketTimerClient, args: argparse.Namespace) -> None:
@@ -437,6 +458,7 @@ COMMANDS = {
     "stop": cmd_stop,
     "restart": cmd_restart,
     "inject": cmd_inject,
+    "quarantine": cmd_quarantine,
 }
 
 
@@ -481,6 +503,9 @@ def _parser() -> argparse.ArgumentParser:
     subs["submit"].add_argument("spec", metavar="SPEC.toml", help="a group spec (see README)")
     for name in ("stop", "restart", "inject"):
         subs[name].add_argument("name", metavar="NAME", help="the group's name")
+    subs["quarantine"].add_argument(
+        "--clear", required=True, metavar="NODE", help="the node's name (--node-name)"
+    )
     subs["inject"].add_argument(
         "fault",
         metavar="FAULT",

@@ -36,6 +36,7 @@ from watchdogd.linux.config_file import load_config
 from watchdogd.linux.endpoints import EndpointError
 from watchdogd.linux.logsink import stderr_logging
 from watchdogd.linux.priority import prepare_loop_priority
+from watchdogd.linux.proctitle import name_process
 
 __all__ = ["main"]
 
@@ -44,6 +45,9 @@ log = logging.getLogger("watchdogd")
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_ENDPOINT = 3
+
+PROCESS_NAME = "watchdogd-serve"
+"""What ``pgrep``/``pidof`` find the daemon by (``watchdogd`` is a kernel thread's name)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,6 +129,11 @@ def _prepare_loop_priority(config: Config, level: int) -> None:
 
 
 def _serve(config: Config, args: argparse.Namespace) -> int:
+    # `pidof watchdogd` finds the kernel's own [watchdogd] thread: this name is ours alone.
+    options = sys.argv[1:]
+    if "serve" in options:
+        options.remove("serve")
+    name_process(PROCESS_NAME, [PROCESS_NAME, *options])
     _raise_open_file_limit()
     _prepare_loop_priority(config, logging.INFO)
     try:

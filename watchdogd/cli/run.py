@@ -115,6 +115,20 @@ def add_run_arguments(
     flag("--rdzv-id", help=f"job id (TORCHELASTIC_RUN_ID; default {_DEFAULT.run_id})")
     flag("--rdzv-conf", help="join_timeout=…,last_call_timeout=…,…")
     flag("--local-addr", help="c10d, etcd: this node's address for others")
+    flag("--node-name", metavar="NAME",
+          help="etcd: this node's stable name in the job, which a quarantine names "
+          "(default: the host name)")  # fmt: skip
+    flag("--quarantine-after", type=int, metavar="F",
+          help="etcd: set this node aside (out of the job until `watchdogctl quarantine "
+          "--clear NAME`) once F of its failures within the window were the node's: a "
+          "signal, a hang, the OOM killer, each first in its round "
+          f"(0: off; default {_DEFAULT.quarantine_after})")  # fmt: skip
+    flag(
+        "--quarantine-window",
+        type=float,
+        metavar="MINUTES",
+        help=f"the window of --quarantine-after (default {_DEFAULT.quarantine_window:g})",
+    )
     flag("--standalone", action="store_true", help="single node, free port")
     flag("--role", help=f"worker role name (default {_DEFAULT.role})")
     flag("--log-dir", help="per-attempt, per-rank logs go here")
@@ -186,6 +200,9 @@ def add_run_arguments(
           f"(default {_DEFAULT.event_log_handler})")  # fmt: skip
     parser.add_argument("--event-log", metavar="FILE", default=argparse.SUPPRESS,
                         help="append events as JSON lines to FILE")  # fmt: skip
+    parser.add_argument("--metrics-listen", metavar="[HOST:]PORT", default=argparse.SUPPRESS,
+                        help="serve /metrics and /healthz (503 while the node is stalled or "
+                        "quarantined) there; loopback for a bare PORT")  # fmt: skip
     parser.add_argument(
         "--trace",
         metavar="FILE",

@@ -16,7 +16,9 @@ Rules
 - A worker stuck in D state, or a fatal fault of a GPU it uses:
   HEALTHY -> UNHEALTHY at once, every worker gets SIGKILL, and there is no
   restart (the node itself is suspect).
-- ``stop`` (operator, shutdown): every worker is stopped, ending in STOPPED.
+- ``stop`` (operator, shutdown): every worker is stopped, ending in STOPPED;
+  ``abandon``: stopped before the attempt's workers started (it waited for its
+  place in the job): HEALTHY -> STOPPED at once.
 - ``signalled`` (the launcher received a signal it handles, torchrun's
   ``--signals-to-handle``): the same, the workers getting that signal
   instead of SIGTERM; a signal received while stopping is passed on too.
@@ -140,6 +142,8 @@ class GroupMachine:
         self.max_restarts = max_restarts
         self.shutdown_timeout = shutdown_timeout
         self.state = S.INIT
+        self.reason = "not started"
+        """Why it is in its state (the last transition's reason)."""
         self.attempt = 0
         self.restarts_used = 0
         self.alive: set[int] = set()
@@ -232,6 +236,14 @@ class GroupMachine:
         self.alive = set()  # spawned, but the attempt never started: nobody to stop
         return [self._move(S.SUCCEEDED, reason), Finished(S.SUCCEEDED)]  # HEALTHY -> SUCCEEDED
 
+    def abandon(self, reason: str) -> list[Action]:
+        """Stopped while the attempt waited for its place (a standby, a node set aside),
+        before any worker started: nobody to stop."""
+        if self.state is not S.HEALTHY:
+            return []
+        self.alive = set()
+        return [self._move(S.STOPPED, reason), Finished(S.STOPPED)]  # HEALTHY -> STOPPED
+
     def stop(self, now: float, reason: str = "stop requested") -> list[Action]:
         if self.state is S.HEALTHY:
             return self._stop_workers(now, "stop", reason)
@@ -264,7 +276,7 @@ class GroupMachine:
     # -- transitions -------------------------------------------------------------
 
     def _move(self, new: GroupState, reason: str) -> Transition:
-        old, self.state = self.state, new
+        old, self.state, self.reason = self.state, new, reason
         return Transition(old, new, reason, self.attempt)
 
     def _spawn(self, reason: str) -> list[Action]:

@@ -109,6 +109,12 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Restarts in a row without progress before the run ends "do not requeue" (0: off)."""
     progress_scope: str | None = None
     """The scope whose release is a step (None: any scope's)."""
+    node_name: str | None = None
+    """etcd: this node's stable name in the job (None: the host name)."""
+    quarantine_after: NonNegative = 3
+    """etcd: node failures within ``quarantine_window`` that set the node aside (0: off)."""
+    quarantine_window: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    """Minutes."""
     role: str = "default"
     start_method: str = "spawn"
     log_dir: str | None = None
@@ -140,6 +146,8 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     flight_recorder: bool = False
     event_log_handler: str = "null"
     event_log: str | None = None
+    metrics_listen: str | None = None
+    """``PORT`` or ``HOST:PORT``: the run's ``/metrics`` and ``/healthz`` (None: none)."""
     trace: str | None = None
     """At exit, write the run's timeline as a Chrome trace here (the command line's)."""
     straggler_window: int | None = None
@@ -317,7 +325,7 @@ def _rendezvous(options: RunOptions, host: Host) -> dict[str, object]:
         if not endpoint:
             raise OptionsError("rdzv_endpoint", "the etcd backend needs HOST:PORT[,HOST:PORT…]")
         return {**shared, "backend": "etcd", "endpoints": endpoint.split(","),
-                **_etcd_conf(options)}  # fmt: skip
+                "node_name": options.node_name, **_etcd_conf(options)}  # fmt: skip
     if options.min_nodes != options.max_nodes:
         raise OptionsError("min_nodes", "the static backend needs a fixed node count")
     master_addr, master_port = options.master_addr, options.master_port
@@ -381,6 +389,8 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
         "max_restarts": options.max_restarts,
         "max_no_progress_restarts": options.max_no_progress_restarts,
         "progress_scope": options.progress_scope,
+        "quarantine_after": options.quarantine_after,
+        "quarantine_window": options.quarantine_window * 60,
         "role": options.role,
         "env": env,
         "log_dir": log_dir,
@@ -422,6 +432,7 @@ def daemon_config(options: RunOptions, config: Config) -> Config:
         key: value
         for key, value in (
             ("event_log", options.event_log),
+            ("metrics_listen", options.metrics_listen),
             ("straggler_window", options.straggler_window),
             ("straggler_publish_interval", options.straggler_publish_interval),
             ("process_containment", options.process_containment),

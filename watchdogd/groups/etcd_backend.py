@@ -12,7 +12,8 @@ nodes (the design's part 6, on
   closed, which stops every node;
 - while workers run, a node waiting to join (scale-up) restarts the group
   without counting; a lost node fails the attempt (counted); a closed
-  rendezvous stops it;
+  rendezvous stops it; a round this node leaves by itself (its attempt
+  ended here) is watched no more, so its own asking never restarts the next;
 - a node beyond ``max_nodes`` stands by in its round (no join timeout), its
   spares warm; when the job ends without it, its group SUCCEEDED;
 - at the end, the exit barrier holds this node until every node's group
@@ -60,12 +61,14 @@ class EtcdBackend:
         self.spec = spec
         self.advertise = rdzv.advertise_addr or route_address(rdzv.endpoints[0], 2379)
         self._on_event = on_event
+        self.node_name = rdzv.node_name or socket.gethostname()
+        """Stable across agents, unlike the rendezvous's node id: what a quarantine names."""
         self.rendezvous = EtcdRendezvous(
             rdzv.endpoints,
             rdzv.run_id,
             rdzv.min_nodes or rdzv.nnodes,
             rdzv.nnodes,
-            node_name=socket.gethostname(),
+            node_name=self.node_name,
             advertise_addr=self.advertise,
             lease_ttl=math.ceil(rdzv.lease_ttl),  # etcd grants whole seconds
             last_call=rdzv.last_call,
@@ -79,6 +82,7 @@ class EtcdBackend:
         """False once the job ended while this node stood by: it has no barrier to wait at."""
         self._local_restarts_seen = 0
         self._new_round = anyio.Event()
+        self._watching: anyio.CancelScope | None = None
 
     async def __aenter__(self) -> Self:
         await self.rendezvous.__aenter__()
@@ -101,6 +105,7 @@ class EtcdBackend:
 
         A failed attempt (the local count rose) is counted once for the whole job.
         """
+        self._stop_watching()
         counted = restart_count > self._local_restarts_seen
         self._local_restarts_seen = restart_count
         if counted:
@@ -124,7 +129,18 @@ class EtcdBackend:
         while True:
             await self._new_round.wait()
             self._new_round = anyio.Event()
-            on_change(await self.rendezvous.wait_for_membership_change())
+            with anyio.CancelScope() as self._watching:
+                on_change(await self.rendezvous.wait_for_membership_change())
+
+    def _stop_watching(self) -> None:
+        """This node left its round (its attempt ended here): stop watching that round.
+
+        Its own asking for the next round shows in the old round's document
+        as a node waiting; reported, that change would restart the next
+        attempt, whose asking the others see as waiting, and so on forever.
+        """
+        if self._watching is not None:
+            self._watching.cancel()
 
     async def finish(self, state: GroupState) -> None:
         """Close the job on failure, then wait at the exit barrier for the others

@@ -298,6 +298,13 @@ class EtcdStore:
         key = self.key(name)
         await self.call(lambda c: c.put(key, value, lease=lease), deadline=deadline, what=name)
 
+    async def delete(self, name: str, *, deadline: float = math.inf) -> bool:
+        """Delete ``name``; True if it was there (a repeat finds it gone: safe to retry)."""
+        key = self.key(name)
+        what = f"delete of {name}"
+        found = await self.call(lambda c: c.delete(key), deadline=deadline, what=what)
+        return found is not None
+
     async def create(
         self, name: str, value: bytes, *, lease: int, deadline: float = math.inf
     ) -> bool:

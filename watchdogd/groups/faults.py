@@ -113,13 +113,15 @@ class FaultInjector:
         while (worker := self.worker_of(fault.rank)) is None:
             await self._started.wait()
         send: Callable[[], None]
-        if fault.kind in ("sigstop", "kill"):
-            number = signal.SIGSTOP if fault.kind == "sigstop" else signal.SIGKILL
-            send = partial(worker.child.send_signal, number)
+        if fault.kind == "kill":
+            send = partial(worker.child.send_signal, signal.SIGKILL)
         else:
+            # A hang (and a stop) must come once the worker has a timer client: before
+            # its first timer, nothing would see it, and the drill would test nothing.
             path = self.directory / f"{worker.local_rank}.json"
             injected = Injected(fault.kind, fault.code, fault.factor)
-            if not await self._prepare_when_caught(worker, fault.rank, path, injected):
+            prepare = None if fault.kind == "sigstop" else (path, injected)
+            if not await self._when_caught(worker, fault.rank, prepare):
                 self.events.emit(
                     "fault_not_delivered",
                     group=self.group,
@@ -132,7 +134,10 @@ class FaultInjector:
                 return
             if self.worker_of(fault.rank) != worker:
                 return  # it ended meanwhile: its successor gets nothing of this one's
-            send = partial(worker.child.pinned.send_signal, FAULT_SIGNAL)
+            if fault.kind == "sigstop":
+                send = partial(worker.child.send_signal, signal.SIGSTOP)
+            else:
+                send = partial(worker.child.pinned.send_signal, FAULT_SIGNAL)
         try:
             send()
         except ProcessLookupError:
@@ -150,12 +155,13 @@ class FaultInjector:
             injected=True,
         )
 
-    async def _prepare_when_caught(
-        self, worker: RankProcess, rank: int, path: Path, injected: Injected
+    async def _when_caught(
+        self, worker: RankProcess, rank: int, prepare: tuple[Path, Injected] | None
     ) -> bool:
-        """Wait for the worker to take the fault signal (its first timer client), then write."""
+        """Wait for the worker to take the fault signal (its first timer client), then
+        write ``prepare``'s fault file, if any."""
         for _ in range(int(_HANDLER_WAIT / _HANDLER_POLL)):
-            if await anyio.to_thread.run_sync(self._prepare, worker.pid, path, injected):
+            if await anyio.to_thread.run_sync(self._prepare, worker.pid, prepare):
                 return True
             if self.worker_of(rank) != worker:
                 return False
@@ -163,9 +169,11 @@ class FaultInjector:
         return False
 
     @staticmethod
-    def _prepare(pid: int, path: Path, injected: Injected) -> bool:
+    def _prepare(pid: int, prepare: tuple[Path, Injected] | None) -> bool:
         """Write the worker's fault file; False if it would die of the signal instead."""
         if not catches_signal(pid, FAULT_SIGNAL):
             return False
-        write_atomically(path, _encoder.encode(injected))
+        if prepare is not None:
+            path, injected = prepare
+            write_atomically(path, _encoder.encode(injected))
         return True

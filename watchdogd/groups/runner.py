@@ -33,8 +33,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
+import msgspec
 
 from watchdogd.core.group_machine import (
     Action,
@@ -54,6 +56,7 @@ from watchdogd.core.group_machine import (
 )
 from watchdogd.core.ports import EventSink, GroupError, Hardware, StragglerShare
 from watchdogd.core.progress import EXIT_NO_PROGRESS, StepProgress
+from watchdogd.core.quarantine import NodeFault, node_fault
 from watchdogd.core.rdzv_state import Change, RendezvousError, RendezvousGracefulExitError
 from watchdogd.core.workerenv import Placement, gpu_assignment
 from watchdogd.groups.attempt import AttemptLauncher
@@ -71,7 +74,7 @@ from watchdogd.groups.features import (
 )
 from watchdogd.groups.gpu_release import GpuRelease
 from watchdogd.groups.logs_specs import CustomLogsSpecs, LogLayout, OwnLogs
-from watchdogd.groups.rendezvous import open_rendezvous
+from watchdogd.groups.rendezvous import Rendezvous, open_rendezvous
 from watchdogd.groups.starters import CommandStarter, WorkerStarter
 from watchdogd.groups.workers import (
     Endpoints,
@@ -82,13 +85,38 @@ from watchdogd.groups.workers import (
     visible_gpus,
 )
 from watchdogd_client.events import RdzvEvent
-from watchdogd_client.groups import Failure, Fault, GroupInfo, GroupSpec, GroupState, WorkerInfo
+from watchdogd_client.groups import (
+    Failure,
+    Fault,
+    GroupInfo,
+    GroupSpec,
+    GroupState,
+    RendezvousInfo,
+    WorkerInfo,
+)
+
+if TYPE_CHECKING:
+    from watchdogd.groups.etcd_quarantine import EtcdQuarantine
 
 __all__ = ["Endpoints", "GroupRunner", "WorkerIndex", "visible_gpus"]
 
 log = logging.getLogger("watchdogd.supervisor")
 
 _DRAIN_TIMEOUT = 2.0
+
+
+def open_quarantine(
+    spec: GroupSpec, rendezvous: Rendezvous, events: EventSink
+) -> EtcdQuarantine | None:
+    """The quarantine of an etcd group that keeps one (``quarantine_after``); None elsewhere:
+    only etcd names nodes stably across agents and keeps a key past them."""
+    if spec.rendezvous.backend != "etcd" or not spec.quarantine_after:
+        return None
+    from watchdogd.groups.etcd_backend import EtcdBackend
+    from watchdogd.groups.etcd_quarantine import EtcdQuarantine
+
+    assert isinstance(rendezvous, EtcdBackend)
+    return EtcdQuarantine(spec, rendezvous, events)
 
 
 class GroupRunner:
@@ -141,6 +169,9 @@ class GroupRunner:
             else Path(tempfile.mkdtemp(prefix=f"watchdogd-{spec.name}-"))
         )
         self.finished = anyio.Event()
+        self._meeting: anyio.CancelScope | None = None
+        """From an attempt's start to its round: a change of the last round is old news,
+        and a stop ends the wait (no worker to stop)."""
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[Input](math.inf)
         self.binding = (
             NumaBinding(spec, spec.numa_binding, hardware, events)
@@ -152,7 +183,10 @@ class GroupRunner:
         )
         # First: the last attempt's processes are gone before anything else prepares.
         self.cells = AttemptCells(containment, spec.name, events, spec.worker_memory_max)
-        self.features: list[Feature] = [self.cells, self.binding, logs]
+        # Second: a node set aside leaves the job once its last attempt is gone.
+        self.quarantine: EtcdQuarantine | None = open_quarantine(spec, self.rendezvous, events)
+        quarantine = [] if self.quarantine is None else [self.quarantine]
+        self.features: list[Feature] = [self.cells, *quarantine, self.binding, logs]
         """In the order they start; they close in the reverse."""
         if starter is None:
             starter = CommandStarter(spec)
@@ -223,6 +257,8 @@ class GroupRunner:
     def _control(self, event: Input) -> None:
         if self.finished.is_set():
             raise GroupError(f"group {self.spec.name} is not running ({self.state.value})")
+        if self._meeting is not None and isinstance(event, Stop | Signalled):
+            self._meeting.cancel()  # a standby, or a node set aside: no worker runs
         self._post(event)
 
     def _post(self, event: Input) -> None:
@@ -256,11 +292,18 @@ class GroupRunner:
                 for w in self.workers.values()
             ],
             last_failure=self.last_failure,
-            rendezvous=self.rendezvous.info(),
+            rendezvous=self._rendezvous_info(),
             spares=[info for feature in self.features for info in feature.spare_infos()],
             started_at=self.started_at,
             oom_kills=self.oom_kills,
+            failed_without_progress=self.progress.streak,
         )
+
+    def _rendezvous_info(self) -> RendezvousInfo | None:
+        info = self.rendezvous.info()
+        if info is None or self.quarantine is None or self.quarantine.reason is None:
+            return info
+        return msgspec.structs.replace(info, quarantined=self.quarantine.reason)
 
     # -- the loop ----------------------------------------------------------------
 
@@ -281,7 +324,11 @@ class GroupRunner:
                 except GroupError as e:  # an attempt that cannot start: no restart helps
                     self.events.emit("group_error", group=self.spec.name, reason=str(e))
                     final = await self._cannot_run(str(e), exitcode=127)
-                await self.rendezvous.finish(final)
+                if final is GroupState.UNHEALTHY and self.quarantine is not None:
+                    # The node's beyond doubt: it leaves the job, which goes on without it.
+                    await self.quarantine.unhealthy(self.machine.reason)
+                else:
+                    await self.rendezvous.finish(final)
                 tg.cancel_scope.cancel()
             return final
         finally:
@@ -322,8 +369,8 @@ class GroupRunner:
         return final
 
     def _membership_changed(self, change: Change) -> None:
-        if self.finished.is_set():
-            return
+        if self.finished.is_set() or self._meeting is not None:
+            return  # the end of a round this node already left (it waits for the next)
         match change:
             case "waiting":
                 self._control(Restart())  # scale-up: a new round, not a failure
@@ -386,12 +433,22 @@ class GroupRunner:
                         agent_restarts=self.machine.restarts_used,
                     )
                 case Spawn(attempt, restart_count):
-                    await self._start_attempt(attempt, restart_count)
+                    if not await self._start_attempt(attempt, restart_count):
+                        reason = "stopped while it waited for its place in the job"
+                        final = await self._apply(self.machine.abandon(reason))
                 case Signal(local_ranks, signum):
                     for worker in self._stop_order(local_ranks):
                         worker.child.send_signal(signum)
                 case Finished(state):
                     final = state
+                    if self.progress.exhausted:
+                        self.events.emit_at(
+                            logging.ERROR,
+                            "no_progress",
+                            group=self.spec.name,
+                            attempts=self.progress.streak,
+                            causes="; ".join(self.no_progress_report()[1:]),
+                        )
         return final
 
     def _stop_order(self, local_ranks: Iterable[int]) -> list[Worker]:
@@ -401,14 +458,22 @@ class GroupRunner:
 
     # -- processes ---------------------------------------------------------------
 
-    async def _start_attempt(self, attempt: int, restart_count: int) -> None:
-        # Before rendezvous: a node that cannot start holds nobody up, spares warm meanwhile.
-        for feature in self.features:
-            await feature.prepare()
-        self.workers = {}  # the last attempt's are all gone: none is shown while nodes meet
-        self.attempt_failures = {}
-        waiting_since = time.monotonic()
-        placement, restart_count = await self.rendezvous.next_round(restart_count)
+    async def _start_attempt(self, attempt: int, restart_count: int) -> bool:
+        """Meet the job, then start the workers; False when stopped before they started."""
+        meeting = self._meeting = anyio.CancelScope()
+        try:
+            with meeting:
+                # Before rendezvous: a node that cannot start holds nobody up, spares warm.
+                for feature in self.features:
+                    await feature.prepare()
+                self.workers = {}  # the last attempt's are all gone: none shown while nodes meet
+                self.attempt_failures = {}
+                waiting_since = time.monotonic()
+                placement, restart_count = await self.rendezvous.next_round(restart_count)
+        finally:
+            self._meeting = None
+        if meeting.cancelled_caught:
+            return False
         self.placement = placement
         # Every backend's round, the static one's too: a job's timeline shows each.
         self.events.emit(
@@ -423,6 +488,7 @@ class GroupRunner:
             hostname=self.launcher.hostname,
         )
         await self.launcher.start(attempt, restart_count, placement, self.workers, self._exited)
+        return True
 
     def _exited(self, worker: Worker) -> None:
         """Its pidfd is readable: it is a zombie, and its process group id not reusable yet."""
@@ -447,7 +513,9 @@ class GroupRunner:
             if expired_scope is not None:
                 reason += f" (watchdogd: timer {expired_scope!r} expired)"
             reason += "".join(f" ({note})" for note in notes)
-            self._record_failure(worker, exitcode, reason, oom_kills)
+            hung = expired_scope is not None
+            fault = node_fault(exitcode, oom_kills=oom_kills, timer_expired=hung)
+            self._record_failure(worker, exitcode, reason, oom_kills, fault)
         self.events.emit_at(
             logging.WARNING if failed else logging.DEBUG,
             "worker_failed" if failed else "worker_exited",
@@ -461,7 +529,12 @@ class GroupRunner:
         )
 
     def _record_failure(
-        self, worker: Worker, exitcode: int, reason: str, oom_kills: int = 0
+        self,
+        worker: Worker,
+        exitcode: int,
+        reason: str,
+        oom_kills: int = 0,
+        fault: NodeFault | None = None,
     ) -> None:
         first = not self.attempt_failures
         self.last_failure = self.attempt_failures[worker.local_rank] = Failure(
@@ -477,6 +550,8 @@ class GroupRunner:
         )
         if first:
             self.first_failures.append(self.last_failure)
+            if self.quarantine is not None:
+                self.quarantine.first_failure(f"rank {worker.rank}: {reason}", fault)
 
     def no_progress_report(self) -> list[str]:
         """Why a run that ended for lack of progress must not be requeued: what counted as

@@ -68,6 +68,9 @@ class _Spare:
         self.cell = cell
         self.control = control
         self.ready = False
+        self.started = time.monotonic()
+        self.ready_after: float | None = None
+        """Seconds from its start to ready (its imports done); None while it warms."""
         self.failure: str | None = None
         self.splitter = FrameSplitter(1 << 16)
 
@@ -119,6 +122,8 @@ class SparePool:
         self._wanted = anyio.Event()
         self._closed = False
         self._root = os.geteuid() == 0
+        self._refill_since: float | None = None
+        """When the first spare was taken since every rank last had a ready one."""
 
     # -- keeping them ready -------------------------------------------------------------
 
@@ -221,12 +226,25 @@ class SparePool:
             report = msgspec.msgpack.decode(payload, type=Report)
             if isinstance(report, Ready):
                 spare.ready = True
+                spare.ready_after = time.monotonic() - spare.started
                 self._backoff.pop(spare.local_rank, None)
                 self.events.emit_at(logging.DEBUG, "spare_ready", group=self.group,
-                                    local_rank=spare.local_rank, pid=spare.popen.pid)  # fmt: skip
+                                    local_rank=spare.local_rank, pid=spare.popen.pid,
+                                    after_s=round(spare.ready_after, 3))  # fmt: skip
+                self._check_refilled()
             elif isinstance(report, Failed):
                 spare.failure = report.message
                 spare.child.kill_group()  # its exit is reported
+
+    def _check_refilled(self) -> None:
+        """Once every rank has a ready spare again after some were taken: how long the
+        pool took (a restart before then starts some workers cold)."""
+        if self._refill_since is None or not self.nproc:
+            return
+        if all(r in self.spares and self.spares[r].ready for r in range(self.nproc)):
+            after = time.monotonic() - self._refill_since
+            self._refill_since = None
+            self.events.emit("spares_refilled", group=self.group, after_s=round(after, 3))
 
     @staticmethod
     def _reap(spare: _Spare) -> None:
@@ -261,6 +279,8 @@ class SparePool:
     ) -> Started:
         spare = self.spares.pop(local_rank, None)
         self._wanted.set()  # its replacement, in the background
+        if self._refill_since is None:
+            self._refill_since = time.monotonic()
         if spare is None or spare.popen.poll() is not None:
             if spare is not None:
                 self._reap(spare)
@@ -309,6 +329,7 @@ class SparePool:
                 local_rank=spare.local_rank,
                 pid=spare.popen.pid,
                 ready=spare.ready,
+                ready_after_s=spare.ready_after,
                 rss_bytes=read_rss(spare.popen.pid),
             )
             for spare in sorted(self.spares.values(), key=lambda s: s.local_rank)

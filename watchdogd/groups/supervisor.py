@@ -145,6 +145,14 @@ class Supervisor:
             raise GroupError(f"fault injection is disabled: {self.fault_consent}")
         self.get(name).inject(fault)
 
+    def clear_quarantine(self, node: str) -> str:
+        """Bring ``node`` back into the etcd job of the first running group that keeps
+        a quarantine (one job per daemon, in practice)."""
+        for runner in self.groups.values():
+            if runner.quarantine is not None and not runner.finished.is_set():
+                return runner.quarantine.clear(node)
+        raise GroupError("no running group keeps a quarantine (an etcd job with one)")
+
     def infos(self) -> list[GroupInfo]:
         return [runner.info() for runner in self.groups.values()]
 

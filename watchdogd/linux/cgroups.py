@@ -86,7 +86,8 @@ announces a change through a work queue (~3 ms late on a loaded machine) and at 
 20 ms per file, while a killed process is mostly gone in well under 1 ms."""
 _KEEPER_STOP_TIMEOUT = 1.0
 
-_JOB = re.compile(r"watchdogd-(\d+)-(\d+)")
+_JOB = re.compile(r"watchdogd-(\d+)-(\d+)(?:\.\d+)?")
+_jobs = itertools.count(1)
 
 DAEMON_LEAF = "watchdogd-daemon"
 """The leaf a daemon alone in its cgroup moves into, so that the cgroup may give its job
@@ -164,7 +165,7 @@ def _populated(path: Path) -> bool:
         return False
 
 
-def _members(path: Path) -> list[int]:
+def members(path: Path) -> list[int]:
     """Every pid in ``path`` and below."""
     pids: list[int] = []
     for directory, _, _ in os.walk(path):
@@ -220,7 +221,7 @@ class CgroupCell:
 
     def alive(self) -> list[int]:
         """The pids still in it (none once ``populated 0``)."""
-        return _members(self.path) if _populated(self.path) else []
+        return members(self.path) if _populated(self.path) else []
 
     def remove(self) -> None:
         """rmdir, once empty (a cgroup with processes stays, and is swept with the job)."""
@@ -411,6 +412,12 @@ def _kill_left(cells: Sequence[Cell]) -> list[int]:
     return left
 
 
+def job_name() -> str:
+    """A new job cgroup's name: its owner's pid and start time (:func:`owner_gone`), and a
+    serial (one process may run jobs one after another: a launch API's callers do)."""
+    return f"watchdogd-{os.getpid()}-{read_stat(os.getpid()).start_time}.{next(_jobs)}"
+
+
 def open_job_cgroup() -> JobCgroup:
     """This process's job cgroup, created (OSError naming why it cannot be); a daemon
     alone in its cgroup first moves into a leaf of it (:func:`leave_for_leaf`)."""
@@ -418,9 +425,7 @@ def open_job_cgroup() -> JobCgroup:
     if own.name != DAEMON_LEAF:
         with contextlib.suppress(OSError):  # no memory controller for its cells, then
             own = leave_for_leaf(own, mount, os.getpid()) or own
-    base = _base()
-    start = read_stat(os.getpid()).start_time
-    path = base / f"watchdogd-{os.getpid()}-{start}"
+    path = _base() / job_name()
     path.mkdir()
     if not (path / "cgroup.kill").exists():
         path.rmdir()
@@ -436,6 +441,14 @@ class Stale(NamedTuple):
     pids: list[int]
 
 
+def owner_gone(name: str) -> int | None:
+    """The owner's pid of a job cgroup named ``name`` whose owner is gone (else None)."""
+    match = _JOB.fullmatch(name)
+    if match is None or still_runs(int(match[1]), int(match[2])):
+        return None
+    return int(match[1])
+
+
 def sweep_stale() -> list[Stale]:
     """Kill and remove the job cgroups beside ours whose owner is gone (none if no v2)."""
     try:
@@ -445,12 +458,12 @@ def sweep_stale() -> list[Stale]:
         return []
     found = []
     for entry in entries:
-        match = _JOB.fullmatch(entry.name)
-        if match is None or still_runs(int(match[1]), int(match[2])):
+        owner = owner_gone(entry.name)
+        if owner is None:
             continue
-        pids = _members(entry)
+        pids = members(entry)
         _kill(entry)
-        found.append(Stale(str(entry), int(match[1]), pids))
+        found.append(Stale(str(entry), owner, pids))
     return found
 
 

@@ -34,8 +34,7 @@ import signal
 from pathlib import Path
 from typing import NamedTuple
 
-from watchdogd.linux.cgroups import Stale
-from watchdogd.linux.procs import read_stat
+from watchdogd.linux.cgroups import Stale, job_name, members, owner_gone
 from watchdogd_client._proc import PinnedProcess
 
 __all__ = [
@@ -51,8 +50,6 @@ __all__ = [
     "sweep_stale",
     "v1_memory_dir",
 ]
-
-_JOB = re.compile(r"watchdogd-(\d+)-(\d+)")
 
 
 class MemoryFiles(NamedTuple):
@@ -203,10 +200,6 @@ def _own_v1_dir() -> Path:
     return found
 
 
-def _job_name() -> str:
-    return f"watchdogd-{os.getpid()}-{read_stat(os.getpid()).start_time}"
-
-
 def open_memory_job(v2_job: Path | None) -> MemoryJob:
     """Memory cgroups for this daemon's children: v2 in ``v2_job`` when it may have
     the controller, else a v1 job of its own (OSError naming why there is none)."""
@@ -215,29 +208,9 @@ def open_memory_job(v2_job: Path | None) -> MemoryJob:
             if "memory" in (v2_job / "cgroup.controllers").read_text().split():
                 (v2_job / "cgroup.subtree_control").write_text("+memory")
                 return MemoryJob(v2_job, V2)
-    path = _own_v1_dir() / _job_name()
+    path = _own_v1_dir() / job_name()
     path.mkdir()
     return MemoryJob(path, V1)
-
-
-def _owner_gone(name: str) -> int | None:
-    """The owner's pid of a job cgroup named ``name`` whose owner is gone (else None)."""
-    match = _JOB.fullmatch(name)
-    if match is None:
-        return None
-    pid, start = int(match[1]), int(match[2])
-    with contextlib.suppress(ProcessLookupError):
-        if read_stat(pid).start_time == start:
-            return None
-    return pid
-
-
-def _pids(path: Path) -> list[int]:
-    pids: list[int] = []
-    for directory, _, _ in os.walk(path):
-        with contextlib.suppress(FileNotFoundError):
-            pids += [int(p) for p in Path(directory, "cgroup.procs").read_text().split()]
-    return pids
 
 
 def sweep_stale() -> list[Stale]:
@@ -252,10 +225,10 @@ def sweep_stale() -> list[Stale]:
         return []
     found = []
     for entry in entries:
-        owner = _owner_gone(entry.name)
+        owner = owner_gone(entry.name)
         if owner is None or not entry.is_dir():
             continue
-        pids = _pids(entry)
+        pids = members(entry)
         for pid in pids:
             with contextlib.suppress(OSError):
                 pinned = PinnedProcess(pid)

@@ -17,11 +17,12 @@ and ``pgrep`` drop the trailing NULs.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from collections.abc import Sequence
 
-__all__ = ["room", "show_command_line"]
+__all__ = ["name_process", "room", "show_command_line"]
 
 _ARG_START = 47  # 0-based field numbers of /proc/PID/stat
 _ARG_END = 48
@@ -60,3 +61,11 @@ def show_command_line(words: Sequence[str]) -> bool:
     size = end - start
     ctypes.memmove(start, line[:size].ljust(size, b"\0"), size)
     return len(line) <= size
+
+
+def name_process(name: str, words: Sequence[str]) -> None:
+    """Show this process as ``name`` (``comm``: ``pgrep``, ``pidof``, ``top``; at most
+    15 bytes) and ``words`` (its command line: ``ps``, ``pgrep -f``), where allowed."""
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+        f.write(name)
+    show_command_line(words)

@@ -40,7 +40,10 @@ class GpuStatus:
         self._task_group: anyio.abc.TaskGroup | None = None
 
     def attach(self, task_group: anyio.abc.TaskGroup) -> None:
+        """Read once at start, so that the first ``status`` has an answer (none yet)."""
         self._task_group = task_group
+        self._reading.set()
+        task_group.start_soon(self._refresh, {})
 
     def current(self, workers: Callable[[], Workers]) -> tuple[list[GpuInfo], str | None]:
         """The last reading (and why there is none); refreshed in the background when old."""

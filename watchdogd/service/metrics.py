@@ -8,7 +8,8 @@ observed only when a timer fires.
 The listener runs in a thread of its own, so that it can still answer when
 the event loop is stuck: ``/healthz`` is 200 while the loop makes progress
 and 503, with the lag, once it has not for ``health_max_lag`` seconds —
-which is exactly when an operator needs to know.
+which is exactly when an operator needs to know. It is 503 too while a
+group's job keeps this node set aside (quarantined), saying why.
 """
 
 from __future__ import annotations
@@ -197,6 +198,11 @@ class Metrics(Collector):
             "1 while this node stands by beside a full round, to take a lost node's rank.",
             labels=["group"],
         )
+        quarantined = GaugeMetricFamily(
+            "watchdogd_quarantined",
+            "1 while this node is set aside, out of the group's job until an operator clears it.",
+            labels=["group"],
+        )
         peak = GaugeMetricFamily(
             "watchdogd_worker_memory_peak_bytes",
             "The most memory a worker's cell held at once (where it has a memory cgroup).",
@@ -207,19 +213,44 @@ class Metrics(Collector):
             "Processes of a group's workers' cells the kernel's OOM killer ended.",
             labels=["group"],
         )
+        spares_ready = GaugeMetricFamily(
+            "watchdogd_spares_ready",
+            "Warm spares ready to take a rank (--prewarm): back to nproc once the pool refilled.",
+            labels=["group"],
+        )
+        no_progress = GaugeMetricFamily(
+            "watchdogd_group_failed_without_progress",
+            "Attempts in a row that failed without a new step (past max_no_progress_restarts "
+            "the run ends, not to be requeued).",
+            labels=["group"],
+        )
         for info in self.infos():
             left.add_metric([info.name], info.restarts_left)
+            no_progress.add_metric([info.name], info.failed_without_progress)
+            if info.spares:
+                spares_ready.add_metric([info.name], sum(s.ready for s in info.spares))
             rdzv = info.rendezvous
             if rdzv is not None and rdzv.round is not None:
                 round_.add_metric([info.name], rdzv.round)
             if rdzv is not None:
                 waiting.add_metric([info.name], rdzv.waiting)
                 standby.add_metric([info.name], int(rdzv.standby))
+                quarantined.add_metric([info.name], int(rdzv.quarantined is not None))
             for worker in info.workers:
                 if worker.memory_peak_bytes is not None:
                     peak.add_metric([info.name, str(worker.rank)], worker.memory_peak_bytes)
             oom.add_metric([info.name], info.oom_kills)
-        yield from (left, round_, waiting, standby, peak, oom)
+        yield from (
+            left,
+            no_progress,
+            spares_ready,
+            round_,
+            waiting,
+            standby,
+            quarantined,
+            peak,
+            oom,
+        )
 
     def _stragglers(self) -> Iterator[Metric]:
         watch = self.stragglers
@@ -248,6 +279,8 @@ class Health(msgspec.Struct):
     status: str
     lag_s: float
     last_progress_time: float
+    quarantined: str | None = None
+    """Why this node is set aside (a group's job keeps it out until an operator clears it)."""
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -291,10 +324,10 @@ class HealthServer:
         if path == "/healthz":
             loop = self.metrics.loop
             lag = loop.stalled_for()
-            healthy = lag < self.max_lag
-            body = msgspec.json.encode(
-                Health("ok" if healthy else "stalled", round(lag, 3), loop.last_progress)
-            )
+            quarantined = self._quarantined()
+            healthy = lag < self.max_lag and quarantined is None
+            word = "stalled" if lag >= self.max_lag else "quarantined" if quarantined else "ok"
+            body = msgspec.json.encode(Health(word, round(lag, 3), loop.last_progress, quarantined))
             status = "200 OK" if healthy else "503 Service Unavailable"
             start_response(status, [("Content-Type", "application/json")])
             return [body + b"\n"]
@@ -303,3 +336,11 @@ class HealthServer:
             return result
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"try /metrics or /healthz\n"]
+
+    def _quarantined(self) -> str | None:
+        """Why a group's job set this node aside, if one did (a node out of its job is
+        not one to schedule onto)."""
+        for info in self.metrics.infos():
+            if info.rendezvous is not None and info.rendezvous.quarantined is not None:
+                return f"{info.name}: {info.rendezvous.quarantined}"
+        return None

@@ -330,7 +330,13 @@ class Session:
                 return None
             case p.ListGroups():
                 return p.GroupList(seq, ports.groups.infos())
-            case p.SubmitGroup() | p.StopGroup() | p.RestartGroup() | p.InjectFault():
+            case (
+                p.SubmitGroup()
+                | p.StopGroup()
+                | p.RestartGroup()
+                | p.InjectFault()
+                | p.ClearQuarantine()
+            ):
                 return self._control_group(seq, request)
             case p.Hello():
                 return p.Error(seq, "bad_request", "hello was already sent on this connection")
@@ -353,14 +359,16 @@ class Session:
         return p.DumpTrace(seq, info, rank, data)
 
     def _control_group(
-        self, seq: int, request: p.SubmitGroup | p.StopGroup | p.RestartGroup | p.InjectFault
+        self,
+        seq: int,
+        request: p.SubmitGroup | p.StopGroup | p.RestartGroup | p.InjectFault | p.ClearQuarantine,
     ) -> p.Reply:
         if not self.peer.admin:
             return p.Error(
                 seq,
                 "refused",
                 "only root and the admin group may submit, stop, restart or inject faults into "
-                "groups",
+                "groups, or clear a quarantine",
             )
         groups = self.ports.groups
         try:
@@ -377,5 +385,7 @@ class Session:
                 case p.InjectFault(name, fault):
                     groups.inject(name, fault)
                     return p.Ok(seq, f"{fault.kind} injected into rank {fault.rank} of {name}")
+                case p.ClearQuarantine(node):
+                    return p.Ok(seq, groups.clear_quarantine(node))
         except GroupError as e:
             return p.Error(seq, "group_error", str(e))
