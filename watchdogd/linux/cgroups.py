@@ -15,7 +15,10 @@ The layout::
 
 The owner's pid and start time are in the job cgroup's name (cgroupfs
 takes no plain files), so a later daemon tells a cgroup whose owner is gone
-(:func:`sweep_stale`) from one whose owner runs. A cgroup with processes
+(:func:`sweep_stale`) from one whose owner runs; an owner outside the
+initial pid namespace adds its namespace (``-ns<inode>``), and only jobs
+of the sweeper's own namespace are judged (daemons in a container and on
+its host may share a cgroup). A cgroup with processes
 cannot enable a controller for its children (the no-internal-processes
 rule), so a daemon alone in its cgroup (a systemd unit's) whose memory
 controller is offered but not enabled moves into a leaf of its own first
@@ -86,7 +89,9 @@ announces a change through a work queue (~3 ms late on a loaded machine) and at 
 20 ms per file, while a killed process is mostly gone in well under 1 ms."""
 _KEEPER_STOP_TIMEOUT = 1.0
 
-_JOB = re.compile(r"watchdogd-(\d+)-(\d+)(?:\.\d+)?")
+_JOB = re.compile(r"watchdogd-(\d+)-(\d+)(?:-ns(\d+))?(?:\.\d+)?")
+_INITIAL_PID_NAMESPACE = 0xEFFFFFFC
+"""The initial pid namespace's inode number (the kernel's ``PROC_PID_INIT_INO``)."""
 _jobs = itertools.count(1)
 
 DAEMON_LEAF = "watchdogd-daemon"
@@ -412,10 +417,22 @@ def _kill_left(cells: Sequence[Cell]) -> list[int]:
     return left
 
 
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace, whose numbers its pids are."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return _INITIAL_PID_NAMESPACE
+
+
 def job_name() -> str:
-    """A new job cgroup's name: its owner's pid and start time (:func:`owner_gone`), and a
-    serial (one process may run jobs one after another: a launch API's callers do)."""
-    return f"watchdogd-{os.getpid()}-{read_stat(os.getpid()).start_time}.{next(_jobs)}"
+    """A new job cgroup's name: its owner's pid and start time (:func:`owner_gone`), the
+    owner's pid namespace unless it is the initial one (``-ns<inode>``: the pid is that
+    namespace's), and a serial (one process may run jobs one after another: a launch
+    API's callers do)."""
+    namespace = _pid_namespace()
+    where = "" if namespace == _INITIAL_PID_NAMESPACE else f"-ns{namespace}"
+    return f"watchdogd-{os.getpid()}-{read_stat(os.getpid()).start_time}{where}.{next(_jobs)}"
 
 
 def open_job_cgroup() -> JobCgroup:
@@ -442,9 +459,14 @@ class Stale(NamedTuple):
 
 
 def owner_gone(name: str) -> int | None:
-    """The owner's pid of a job cgroup named ``name`` whose owner is gone (else None)."""
+    """The owner's pid of a job cgroup named ``name`` whose owner is gone (else None). An
+    owner in another pid namespace is never judged gone: its pid means nothing here, and
+    daemons in different namespaces may share a cgroup (a container on the host's)."""
     match = _JOB.fullmatch(name)
-    if match is None or still_runs(int(match[1]), int(match[2])):
+    if match is None:
+        return None
+    namespace = int(match[3]) if match[3] else _INITIAL_PID_NAMESPACE
+    if namespace != _pid_namespace() or still_runs(int(match[1]), int(match[2])):
         return None
     return int(match[1])
 
