@@ -266,6 +266,23 @@ def test_the_shim_asks_for_the_parent_death_signal_then_runs_the_program(
     assert (out.returncode, out.stdout.strip()) == (0, str(signal.SIGKILL)), out.stderr
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["setpriv", "python-shim"])
+def test_the_shim_runs_nothing_once_its_parent_is_another(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As if the daemon died before the shim asked for the signal: another parent (a
+    # shell in between here) has it, and the program never runs.
+    if native and enter_cell._SETPRIV is None:
+        pytest.skip("no setpriv (util-linux) on this machine: the Python shim serves")
+    if not native:
+        monkeypatch.setattr(enter_cell, "_SETPRIV", None)
+    shim = enter_cell.shim_command((), [sys.executable, "-c", "print('ran')"])
+    out = subprocess.run(
+        ["/bin/sh", "-c", '"$@"; exit $?', "sh", *shim], capture_output=True, text=True, timeout=30
+    )
+    assert (out.returncode, out.stdout) == (128 + signal.SIGKILL, ""), out.stderr
+
+
 def test_the_session_sweep_takes_no_child_the_daemon_started_for_itself() -> None:
     # A torch helper (c10d, the agent store) runs in a session of its own, as a
     # worker's re-parented orphan would: only the registration tells them apart.

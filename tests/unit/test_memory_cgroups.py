@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from watchdogd.core.run_options import OptionsError, memory_bytes
+from watchdogd.groups.cell_memory import MeteredCell
 from watchdogd.groups.workers import describe_exit
+from watchdogd.linux.cgroups import CgroupCell
 from watchdogd.linux.memory_cgroups import (
     V1,
     V2,
@@ -98,6 +101,25 @@ def test_v1_memory_cells_are_entered_beside_the_v2_one_and_removed_alone(tmp_pat
     (memory.path / "memory.oom_control").unlink()
     memory.remove()
     assert not memory.path.exists()
+
+
+def test_a_v1_memory_cgroup_is_removed_by_the_v2_jobs_writer_after_its_v2_cell(
+    tmp_path: Path,
+) -> None:
+    # An rmdir waits for cgroup_mutex, which a placement holds through a grace period:
+    # never on the loop, and in order (the v2 rmdir first, as the kill went).
+    handed: list[Callable[[], None]] = []
+    v2_dir = tmp_path / "v2" / "default.rank0.1"
+    v2_dir.mkdir(parents=True)
+    (tmp_path / "v1").mkdir()
+    memory = MemoryJob(tmp_path / "v1", V1).cell("default.rank0", None, None)
+    cell = MeteredCell(CgroupCell(v2_dir, handed.append), memory)
+    cell.remove()
+    assert v2_dir.exists() and memory.path.exists()  # nothing done here
+    for op in handed:
+        op()
+    assert not v2_dir.exists() and not memory.path.exists()
+    assert len(handed) == 2
 
 
 def test_a_gone_memory_cgroup_reads_as_nothing(tmp_path: Path) -> None:

@@ -40,8 +40,14 @@ class MeteredCell:
         return self.inner.alive()
 
     def remove(self) -> None:
+        """Both rmdirs, the v1 one after the v2 one: through the v2 job's writer thread
+        where there is one, since an rmdir waits for ``cgroup_mutex``, which a child
+        moving into its cell holds through a grace period (a restart's first placement)."""
         self.inner.remove()
-        self.memory.remove()
+        if isinstance(self.inner, CgroupCell):
+            self.inner.write(self.memory.remove)
+        else:
+            self.memory.remove()
 
 
 def with_memory(cell: Cell, job: MemoryJob, name: str, limit: int | None) -> MeteredCell:

@@ -11,12 +11,20 @@ The layout::
 
     <own cgroup>/watchdogd-<pid>-<start time>/   the job: this daemon's (its owner)
         <group>.<kind><local rank>.<n>/          one worker or spare, and all it starts
+    <own cgroup>/watchdogd-daemon/               the daemon, if it was alone in its cgroup
 
 The owner's pid and start time are in the job cgroup's name (cgroupfs
 takes no plain files), so a later daemon tells a cgroup whose owner is gone
-(:func:`sweep_stale`) from one whose owner runs. Controllers are never
-enabled here, so the daemon may stay in its own cgroup beside these (the
-no-internal-processes rule binds only cgroups with controllers on).
+(:func:`sweep_stale`) from one whose owner runs; an owner outside the
+initial pid namespace adds its namespace (``-ns<inode>``), and only jobs
+of the sweeper's own namespace are judged (daemons in a container and on
+its host may share a cgroup). A cgroup with processes
+cannot enable a controller for its children (the no-internal-processes
+rule), so a daemon alone in its cgroup (a systemd unit's) whose memory
+controller is offered but not enabled moves into a leaf of its own first
+and enables ``memory`` for the job (:func:`leave_for_leaf`); one that
+shares its cgroup (a shell's, under ``watchdogd run``) stays in it, and its
+cells get no v2 memory controller.
 
 ``cgroup.kill`` (kernel 5.14) kills every process of a cgroup and of those
 below, whatever session or process group it made; ``cgroup.events`` says
@@ -25,7 +33,7 @@ changed (:func:`until_empty` waits so, re-reading it ever less often).
 
 A child moving into its cell takes the kernel's lock for moving processes
 between cgroups (``cgroup_threadgroup_rwsem``), which first waits for an RCU
-grace period (~13 ms on the development machine) when nobody took it for a
+grace period (8-14 ms on the development machine) when nobody took it for a
 while, holding ``cgroup_mutex`` meanwhile, which every mkdir, rmdir and
 ``cgroup.kill`` takes too. So a job's writes run in a thread of their own
 (:class:`_Writer`), never on the event loop; and a killed cell, which means
@@ -58,9 +66,12 @@ from watchdogd.linux import keeper
 from watchdogd.linux.procs import read_stat, still_runs
 
 __all__ = [
+    "DAEMON_LEAF",
     "CgroupCell",
     "JobCgroup",
     "Stale",
+    "job_base",
+    "leave_for_leaf",
     "open_job_cgroup",
     "remove_stale",
     "sweep_stale",
@@ -78,8 +89,14 @@ announces a change through a work queue (~3 ms late on a loaded machine) and at 
 20 ms per file, while a killed process is mostly gone in well under 1 ms."""
 _KEEPER_STOP_TIMEOUT = 1.0
 
-_JOB = re.compile(r"watchdogd-(\d+)-(\d+)(?:\.\d+)?")
+_JOB = re.compile(r"watchdogd-(\d+)-(\d+)(?:-ns(\d+))?(?:\.\d+)?")
+_INITIAL_PID_NAMESPACE = 0xEFFFFFFC
+"""The initial pid namespace's inode number (the kernel's ``PROC_PID_INIT_INO``)."""
 _jobs = itertools.count(1)
+
+DAEMON_LEAF = "watchdogd-daemon"
+"""The leaf a daemon alone in its cgroup moves into, so that the cgroup may give its job
+cgroup, beside the leaf, the memory controller (:func:`leave_for_leaf`)."""
 
 
 def v2_mount(mountinfo: str) -> str | None:
@@ -102,12 +119,48 @@ def _own_cgroup() -> str:
     raise OSError("no cgroup v2 line in /proc/self/cgroup")
 
 
-def _base() -> Path:
-    """The daemon's own v2 cgroup directory; OSError naming why there is none."""
+def _mount_and_own() -> tuple[Path, Path]:
+    """The v2 mount point, and this process's cgroup directory in it; OSError naming why
+    there is none."""
     mount = v2_mount(Path("/proc/self/mountinfo").read_text())
     if mount is None:
         raise OSError("no read-write cgroup2 mount in /proc/self/mountinfo")
-    return Path(mount + _own_cgroup().rstrip("/"))
+    return Path(mount), Path(mount + _own_cgroup().rstrip("/"))
+
+
+def _base() -> Path:
+    """Where job cgroups go (:func:`job_base`); OSError naming why there is none."""
+    return job_base(_mount_and_own()[1])
+
+
+def job_base(own: Path) -> Path:
+    """Where the job cgroups of a daemon in cgroup ``own`` go: ``own``, or the cgroup it
+    left for its leaf (:func:`leave_for_leaf`)."""
+    return own.parent if own.name == DAEMON_LEAF else own
+
+
+def leave_for_leaf(own: Path, mount: Path, pid: int, controller: str = "memory") -> Path | None:
+    """Move process ``pid``, alone in its cgroup ``own``, into a leaf below it
+    (:data:`DAEMON_LEAF`), and enable ``controller`` for ``own``'s children: the leaf
+    made, or None when nothing was to be done or may be (the controller not offered,
+    enabled already, ``own`` the root, which may enable controllers with processes in
+    it, or other processes in ``own``, which are not this daemon's to move).
+
+    A cgroup with processes cannot enable a controller for its children (the
+    no-internal-processes rule): a daemon in its unit's delegated cgroup
+    (``Delegate=yes``) holds that cgroup, so its job cgroup, beside it, would have
+    no memory controller."""
+    if own == mount or controller not in (own / "cgroup.controllers").read_text().split():
+        return None
+    if controller in (own / "cgroup.subtree_control").read_text().split():
+        return None
+    if (own / "cgroup.procs").read_text().split() != [str(pid)]:
+        return None
+    leaf = own / DAEMON_LEAF
+    leaf.mkdir(exist_ok=True)
+    (leaf / "cgroup.procs").write_text(str(pid))  # all its threads with it
+    (own / "cgroup.subtree_control").write_text(f"+{controller}")
+    return leaf
 
 
 def _populated(path: Path) -> bool:
@@ -159,7 +212,8 @@ class CgroupCell:
     ) -> None:
         self.path = path
         self.procs: tuple[str, ...] = (str(path / "cgroup.procs"),)
-        self._write = write
+        self.write = write
+        """Runs a write that takes ``cgroup_mutex`` (its own, and others' to follow them)."""
         self._killed = killed
 
     def bind(self, pid: int) -> None:
@@ -167,7 +221,7 @@ class CgroupCell:
 
     def kill(self) -> None:
         """SIGKILL every process in it, whatever session each made."""
-        self._write(partial(_kill, self.path))
+        self.write(partial(_kill, self.path))
         self._killed()
 
     def alive(self) -> list[int]:
@@ -176,7 +230,7 @@ class CgroupCell:
 
     def remove(self) -> None:
         """rmdir, once empty (a cgroup with processes stays, and is swept with the job)."""
-        self._write(partial(_remove_quietly, self.path))
+        self.write(partial(_remove_quietly, self.path))
 
 
 def _remove_quietly(path: Path) -> None:
@@ -233,10 +287,11 @@ class JobCgroup:
 
     mode = "cgroup"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, own: Path) -> None:
+        """``path``: the job cgroup; ``own``: the cgroup this process is in."""
         self.path = path
         self._serial = itertools.count(1)
-        self._writer = _Writer(path.parent / "cgroup.procs")
+        self._writer = _Writer(own / "cgroup.procs")
         self._keeper: subprocess.Popen[bytes] | None = None
 
     def describe(self) -> str:
@@ -362,20 +417,37 @@ def _kill_left(cells: Sequence[Cell]) -> list[int]:
     return left
 
 
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace, whose numbers its pids are."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return _INITIAL_PID_NAMESPACE
+
+
 def job_name() -> str:
-    """A new job cgroup's name: its owner's pid and start time (:func:`owner_gone`), and a
-    serial (one process may run jobs one after another: a launch API's callers do)."""
-    return f"watchdogd-{os.getpid()}-{read_stat(os.getpid()).start_time}.{next(_jobs)}"
+    """A new job cgroup's name: its owner's pid and start time (:func:`owner_gone`), the
+    owner's pid namespace unless it is the initial one (``-ns<inode>``: the pid is that
+    namespace's), and a serial (one process may run jobs one after another: a launch
+    API's callers do)."""
+    namespace = _pid_namespace()
+    where = "" if namespace == _INITIAL_PID_NAMESPACE else f"-ns{namespace}"
+    return f"watchdogd-{os.getpid()}-{read_stat(os.getpid()).start_time}{where}.{next(_jobs)}"
 
 
 def open_job_cgroup() -> JobCgroup:
-    """This process's job cgroup, created (OSError naming why it cannot be)."""
+    """This process's job cgroup, created (OSError naming why it cannot be); a daemon
+    alone in its cgroup first moves into a leaf of it (:func:`leave_for_leaf`)."""
+    mount, own = _mount_and_own()
+    if own.name != DAEMON_LEAF:
+        with contextlib.suppress(OSError):  # no memory controller for its cells, then
+            own = leave_for_leaf(own, mount, os.getpid()) or own
     path = _base() / job_name()
     path.mkdir()
     if not (path / "cgroup.kill").exists():
         path.rmdir()
         raise OSError("the kernel has no cgroup.kill (5.14 and later have)")
-    return JobCgroup(path)
+    return JobCgroup(path, own)
 
 
 class Stale(NamedTuple):
@@ -387,9 +459,14 @@ class Stale(NamedTuple):
 
 
 def owner_gone(name: str) -> int | None:
-    """The owner's pid of a job cgroup named ``name`` whose owner is gone (else None)."""
+    """The owner's pid of a job cgroup named ``name`` whose owner is gone (else None). An
+    owner in another pid namespace is never judged gone: its pid means nothing here, and
+    daemons in different namespaces may share a cgroup (a container on the host's)."""
     match = _JOB.fullmatch(name)
-    if match is None or still_runs(int(match[1]), int(match[2])):
+    if match is None:
+        return None
+    namespace = int(match[3]) if match[3] else _INITIAL_PID_NAMESPACE
+    if namespace != _pid_namespace() or still_runs(int(match[1]), int(match[2])):
         return None
     return int(match[1])
 

@@ -10,13 +10,14 @@ exits (``PR_SET_PDEATHSIG``), and checks that this parent is still there,
 since it may have died before the request.
 
 A command worker goes through a native shim where util-linux's ``setpriv``
-is installed (it is on Debian, util-linux being essential): ``sh`` writes
-the cgroup and ``setpriv --pdeathsig KILL`` execs the program, ~2 ms. A
-second Python interpreter costs ~17 ms a worker, which every cold restart
-would pay. The native shim cannot check the parent after the request (a
-daemon that dies in that instant leaves the worker to the keeper, which
-kills the job's cgroup). Elsewhere this file is the shim (stdlib only, run
-with ``-I -S``)::
+is installed (it is on Debian, util-linux being essential): ``setpriv
+--pdeathsig KILL`` execs ``sh``, which checks its parent (``$PPID``, read as
+it starts, after the request), writes the cgroups and execs the program.
+Both start before the placement, which may wait out the kernel's grace
+period (:mod:`watchdogd.linux.cgroups`): once placed, only the program's
+exec is left. A second Python interpreter costs ~17 ms a worker, which
+every cold restart would pay. Elsewhere this file is the shim (stdlib only,
+run with ``-I -S``)::
 
     python -I -S enter_cell.py PARENT_PID [PROCS…] -- PROGRAM ARGS…
 
@@ -44,13 +45,16 @@ PR_SET_CHILD_SUBREAPER = 36
 
 
 _SETPRIV = shutil.which("setpriv")
-# $0: setpriv; $1: the worker's PWD as given ("=DIR"), or - for none, since the shell
-# resets PWD to its own reading at start-up and the program must see its environment
-# as given (as a fresh worker under torchrun does); then the cgroup.procs files, up to --.
+# Run by setpriv, after the request. $1: the parent it must have (else it died before the
+# request: exit as the signal would have); $2: the worker's PWD as given ("=DIR"), or -
+# for none, since the shell resets PWD to its own reading at start-up and the program
+# must see its environment as given (as a fresh worker under torchrun does); then the
+# cgroup.procs files, up to --.
 _NATIVE = (
-    'w=$1; shift; while [ "$1" != -- ]; do echo 0 >"$1" || exit 126; shift; done; shift; '
+    'p=$1 w=$2; shift 2; [ "$PPID" = "$p" ] || exit 137; '
+    'while [ "$1" != -- ]; do echo 0 >"$1" || exit 126; shift; done; shift; '
     'if [ "$w" = - ]; then unset PWD; else PWD=${w#=}; export PWD; fi; '
-    'exec "$0" --pdeathsig KILL -- "$@"'
+    'exec "$@"'
 )
 
 
@@ -61,7 +65,8 @@ def shim_command(procs: tuple[str, ...], argv: list[str], pwd: str | None = None
     environment the program is given."""
     if _SETPRIV is not None:
         given = "-" if pwd is None else f"={pwd}"
-        return ["/bin/sh", "-c", _NATIVE, _SETPRIV, given, *procs, "--", *argv]
+        shell = ["/bin/sh", "-c", _NATIVE, "watchdogd-shim", str(os.getpid()), given]
+        return [_SETPRIV, "--pdeathsig", "KILL", "--", *shell, *procs, "--", *argv]
     shim = os.path.abspath(__file__)
     return [sys.executable, "-I", "-S", shim, str(os.getpid()), *procs, "--", *argv]
 

@@ -5,7 +5,10 @@ Where the memory controller is, each child's cell has a memory cgroup:
 - on a unified host whose v2 cgroup delegates ``memory`` to the daemon's job
   cgroup, the v2 cell itself (``+memory`` in the job's
   ``cgroup.subtree_control``; the job holds no process, so the
-  no-internal-processes rule allows it): no second placement;
+  no-internal-processes rule allows it): no second placement. A daemon alone
+  in a cgroup that offers ``memory`` (a systemd unit's, ``Delegate=yes``)
+  moved into a leaf of it first, so that it could delegate it
+  (:func:`~watchdogd.linux.cgroups.leave_for_leaf`);
 - else, where the v1 memory hierarchy may be written (a hybrid host, as
   root), a second cgroup the child enters too, before user code::
 
