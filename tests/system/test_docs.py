@@ -16,6 +16,14 @@ The rules a guide follows (``docs/`` and ``README.md``):
 - A config key written ```key = value``` exists in the daemon's config
   (``core/config.py``, at any depth); ``key=value`` without spaces is a
   Python argument or an event's field.
+- A Python block of ``docs/trainer.md`` or ``docs/launch-api.md`` whose last
+  line before it (blank lines aside) is ``<!-- runnable -->`` runs, as a
+  script in a directory of its own, against a daemon this module starts
+  (``WATCHDOGD_SOCKET`` names it), and exits 0; ``<!-- runnable: killed by
+  SIGKILL -->`` says it ends killed by SIGKILL instead (a hang the daemon
+  kills). When the next block of the page, with no heading between, is a
+  ````` ```text ````` block, the script's stdout is that block, exactly.
+  Runnable blocks are quick: the whole check takes seconds.
 """
 
 from __future__ import annotations
@@ -24,12 +32,16 @@ import argparse
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import typing
 import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import pytest
@@ -295,3 +307,121 @@ def test_the_docs_site_builds_strictly(tmp_path: Path) -> None:
     assert built.returncode == 0, built.stderr
     page = (tmp_path / "index.html").read_text()
     assert "def main" in page or "expires" in page  # the embedded example is in the page
+
+
+# -- runnable blocks -------------------------------------------------------------------
+
+RUNNABLE_PAGES = [REPO / "docs/trainer.md", REPO / "docs/launch-api.md"]
+BLOCK = re.compile(r"^```(?P<info>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
+MARKER = re.compile(r"<!-- runnable(?:: (?P<ending>[^>]*?))? -->")
+ENDINGS = {None: 0, "killed by SIGKILL": -signal.SIGKILL}
+
+
+class Runnable(NamedTuple):
+    where: str  # page:line
+    code: str
+    ending: str | None
+    output: str | None  # the text block after it: its stdout
+
+
+def runnable_blocks(page: Path) -> list[Runnable]:
+    text = page.read_text()
+    blocks = list(BLOCK.finditer(text))
+    found = []
+    for block, after in zip(blocks, [*blocks[1:], None], strict=True):
+        before = text[: block.start()].rstrip().rpartition("\n")[2]
+        marker = MARKER.fullmatch(before)
+        if marker is None:
+            continue
+        between = text[block.end() : after.start()] if after is not None else "#"
+        shows = after is not None and after["info"].strip() == "text" and "\n#" not in between
+        found.append(
+            Runnable(
+                where=f"{page.name}:{text.count(chr(10), 0, block.start()) + 1}",
+                code=block["body"] if block["info"].strip() == "python" else "",
+                ending=marker["ending"],
+                output=after["body"] if shows and after is not None else None,
+            )
+        )
+    return found
+
+
+def check_runnable(block: Runnable, socket: Path, workdir: Path) -> list[str]:
+    """What is wrong with ``block`` run against the daemon at ``socket``."""
+    if not block.code or block.ending not in ENDINGS:
+        return [
+            f"{block.where}: a runnable block is Python and ends as {sorted(map(str, ENDINGS))}"
+        ]
+    script = workdir / "snippet.py"
+    script.write_text(block.code)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=workdir,
+        env={**os.environ, "WATCHDOGD_SOCKET": str(socket), "TMPDIR": str(workdir)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    wrong = []
+    if done.returncode != ENDINGS[block.ending]:
+        wrong.append(
+            f"{block.where}: exit {done.returncode}, not {ENDINGS[block.ending]}: {done.stderr}"
+        )
+    if block.output is not None and done.stdout != block.output:
+        wrong.append(f"{block.where}: printed {done.stdout!r}, not {block.output!r}")
+    return wrong
+
+
+@pytest.fixture(scope="module")
+def docs_daemon() -> Iterator[Path]:
+    """A ``watchdogd serve`` for the runnable blocks: its socket."""
+    runtime_dir = Path(tempfile.mkdtemp(prefix="wd-", dir="/tmp"))  # a short socket path
+    daemon = subprocess.Popen(
+        ["watchdogd", "serve", "--runtime-dir", str(runtime_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert daemon.stdout is not None
+        assert "serving" in daemon.stdout.readline()
+        yield runtime_dir / "watchdogd.sock"
+    finally:
+        daemon.terminate()
+        daemon.wait(10)
+        daemon.stdout and daemon.stdout.close()
+        daemon.stderr and daemon.stderr.close()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("page", RUNNABLE_PAGES, ids=lambda page: page.name)
+def test_every_runnable_block_does_what_its_page_says(
+    page: Path, docs_daemon: Path, tmp_path: Path
+) -> None:
+    blocks = runnable_blocks(page)
+    assert blocks, f"{page.name} has no runnable block"
+    wrong = []
+    for number, block in enumerate(blocks):
+        workdir = tmp_path / str(number)
+        workdir.mkdir()
+        wrong += check_runnable(block, docs_daemon, workdir)
+    assert wrong == []
+
+
+def test_the_runnable_check_catches_a_wrong_output_and_a_hang_not_killed(
+    docs_daemon: Path, tmp_path: Path
+) -> None:
+    page = tmp_path / "guide.md"
+    page.write_text(
+        "<!-- runnable -->\n\n```python\nprint(6 * 7)\n```\n\nIt prints:\n\n```text\n43\n```\n\n"
+        "<!-- runnable: killed by SIGKILL -->\n\n```python\n"
+        "import watchdogd_client as wd\n\nwith wd.expires(after=60):\n    pass\n```\n\n"
+        "## No output shown\n\n```text\nx\n```\n"
+    )
+    wrong, hang = runnable_blocks(page)
+    assert (wrong.output, hang.output, hang.ending) == ("43\n", None, "killed by SIGKILL")
+    assert check_runnable(wrong, docs_daemon, tmp_path) == [
+        "guide.md:3: printed '42\\n', not '43\\n'"
+    ]
+    complaint = check_runnable(hang, docs_daemon, tmp_path)
+    assert len(complaint) == 1 and complaint[0].startswith("guide.md:15: exit 0, not -9")
