@@ -500,7 +500,11 @@ def _parser() -> argparse.ArgumentParser:
     subs["events"].add_argument(
         "--trace", metavar="FILE", help="write a Chrome trace (Perfetto) of the job's timeline"
     )
-    subs["submit"].add_argument("spec", metavar="SPEC.toml", help="a group spec (see README)")
+    subs["submit"].add_argument(
+        "spec",
+        metavar="SPEC.toml",
+        help='a group spec (docs/operations.md, "Groups in the daemon")',
+    )
     for name in ("stop", "restart", "inject"):
         subs[name].add_argument("name", metavar="NAME", help="the group's name")
     subs["quarantine"].add_argument(

@@ -201,7 +201,7 @@ class SupervisorSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     runtime_dir: str | None = None
-    """Holds the socket and FIFO unless they are set; default per user (see README)."""
+    """Holds the socket and FIFO unless they are set; default per user (docs/operations.md)."""
     socket: str | None = None
     fifo: str | None = None
     socket_mode: FileMode = 0o660
@@ -265,11 +265,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     Needs ``CAP_SYS_NICE`` or ``LimitRTPRIO=1``."""
     loop_nice: Annotated[int, msgspec.Meta(ge=-20, le=19)] | None = None
     """The event loop thread's nice value (workers start at 0 or above); None: as started.
-    Below 0 a trainer's request preempts the trainer for the loop's turn (README)."""
+    Below 0 a trainer's request preempts the trainer for the loop's turn (docs/operations.md)."""
     process_containment: Literal["auto", "session"] = "auto"
     """How a worker and all it starts are ended: ``auto``, a cgroup v2 per worker where the
     hierarchy may be written (else ``session``); ``session``, the weaker mode: its process
-    group and a sweep of ``/proc`` (README "Operations"). Read at start."""
+    group and a sweep of ``/proc`` (docs/operations.md, "Containment"). Read at start."""
     limits: Limits = msgspec.field(default_factory=Limits)
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     groups: list[GroupSpec] = []
