@@ -61,6 +61,13 @@ def test_every_torchrun_option_is_accepted() -> None:
     assert theirs - set(re.findall(r"(?<![\w-])--?[\w-]+", shown.stdout)) == set()
 
 
+def test_an_unknown_flag_is_shown_with_the_usage_of_watchdogd_run() -> None:
+    out = run("--nprocs", "--no-python", "true")
+    assert out.returncode == 2
+    assert out.stderr.startswith("usage: watchdogd run ")
+    assert "watchdogd run: error: unrecognized arguments: --nprocs\n" in out.stderr
+
+
 # -- --numa-binding (the binding itself: tests/unit/test_numa.py, test_numa_binding.py) --
 
 
