@@ -235,6 +235,13 @@ def test_the_error_file_of_a_failure_is_reported_and_kept_without_a_log_dir(
     shutil.rmtree(error_file.parents[2])
 
 
+def test_a_killed_rank_is_reported_without_an_error_file_it_never_wrote() -> None:
+    out = run("--no-python", "sh", "-c", "kill -9 $$")
+    assert out.returncode == 1
+    assert "rank 0 (local rank 0" in out.stderr
+    assert "error file:" not in out.stderr
+
+
 # -- entrypoint forms -------------------------------------------------------------------
 
 

@@ -329,7 +329,7 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
         )
         if failure.error_message:
             lines.append(f"  error: {failure.error_message}")
-        if failure.error_file:
+        if failure.error_file and os.path.exists(failure.error_file):  # a killed rank wrote none
             lines.append(f"  error file: {failure.error_file}")
     return "\n".join(lines)
 
