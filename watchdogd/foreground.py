@@ -13,6 +13,7 @@ whose run was killed before it could is swept by the next run
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from anyio.from_thread import start_blocking_portal
 
 from watchdogd.core.config import Config, override
 from watchdogd.core.ports import GroupError
-from watchdogd.core.run_options import Host
+from watchdogd.core.run_options import Host, OptionsError, RunOptions
 from watchdogd.daemon import Daemon
 from watchdogd.groups.runner import GroupRunner, visible_gpus
 from watchdogd.groups.starters import WorkerStarter
@@ -35,7 +36,7 @@ from watchdogd.linux import aio as _aio
 from watchdogd.linux.run_dirs import make_run_dir, sweep, tidy
 from watchdogd_client.groups import GroupSpec, GroupState
 
-__all__ = ["Outcome", "run_group", "this_host"]
+__all__ = ["Outcome", "check_entrypoint", "run_group", "this_host"]
 
 
 @dataclass
@@ -64,6 +65,19 @@ def this_host() -> Host:
         executable=sys.executable,
         make_log_dir=partial(tempfile.mkdtemp, prefix="watchdogd-logs-"),
     )
+
+
+def check_entrypoint(options: RunOptions) -> None:
+    """OptionsError (``script``) naming a script or program that is not there, before
+    any worker starts; a module (``-m``) is left to the workers' interpreter to find."""
+    script = options.script
+    if script is None or options.module:
+        return
+    if options.no_python:
+        if shutil.which(script) is None:
+            raise OptionsError("script", f"{script}: no such program (or not executable)")
+    elif not os.path.exists(script):
+        raise OptionsError("script", f"{script}: no such file")
 
 
 def _run_config(config: Config, spec: GroupSpec) -> tuple[Config, Path | None]:

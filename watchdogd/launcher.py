@@ -68,7 +68,7 @@ from watchdogd.core.run_options import (
     run_options,
     unread_rdzv_conf,
 )
-from watchdogd.foreground import run_group, this_host
+from watchdogd.foreground import check_entrypoint, run_group, this_host
 from watchdogd.groups.starters import CallableStarter
 from watchdogd.launch_failures import (
     ChildFailedError,
@@ -393,6 +393,8 @@ def run_launch(
     run = launch_options(config, command, **options)
     try:
         spec = group_spec(run, this_host())
+        if isinstance(entrypoint, str):
+            check_entrypoint(run)
     except ValueError as e:
         raise _in_config_words(e) from None
     unread = unread_rdzv_conf(run)

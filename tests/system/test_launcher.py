@@ -110,6 +110,8 @@ def test_a_program_entrypoint_returns_none_per_rank() -> None:
     with pytest.raises(ChildFailedError) as caught:
         elastic_launch(config(1), "sh")("-c", "exit 3")
     assert caught.value.failures[0].exitcode == 3
+    with pytest.raises(ValueError, match=r"^entrypoint: \./nosuch: no such program"):
+        elastic_launch(config(1), "./nosuch")()
 
 
 def test_called_from_inside_a_running_event_loop() -> None:

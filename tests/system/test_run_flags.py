@@ -245,6 +245,14 @@ def test_a_killed_rank_is_reported_without_an_error_file_it_never_wrote() -> Non
 # -- entrypoint forms -------------------------------------------------------------------
 
 
+def test_a_missing_script_or_program_is_bad_usage_before_any_worker_starts() -> None:
+    out = run("--nproc-per-node", "2", "nosuch.py")
+    assert (out.returncode, out.stderr) == (2, "watchdogd run: SCRIPT: nosuch.py: no such file\n")
+    out = run("--no-python", "./nosuch")
+    assert out.returncode == 2
+    assert "SCRIPT: ./nosuch: no such program" in out.stderr
+
+
 def test_no_python_with_module_is_refused_in_torchruns_words() -> None:
     out = run("--no-python", "-m", "json.tool")
     assert out.returncode == 2

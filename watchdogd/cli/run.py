@@ -48,7 +48,7 @@ from watchdogd.core.run_options import (
     unread_rdzv_conf,
 )
 from watchdogd.daemon import Daemon
-from watchdogd.foreground import run_group, this_host
+from watchdogd.foreground import check_entrypoint, run_group, this_host
 from watchdogd.groups.runner import GroupRunner
 from watchdogd.linux.plugins import LOGS_SPECS_GROUP, has_entry_point, not_found
 from watchdogd_client.groups import DeadlineRule, Fault, GroupState
@@ -339,6 +339,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
         options = options_from_args(args)
         signals = handled_signals(options.signals_to_handle)
         spec = group_spec(options, this_host())
+        check_entrypoint(options)
     except ValueError as e:
         print(f"watchdogd run: {_usage_error(e)}", file=sys.stderr)
         return EXIT_USAGE
