@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from watchdogd.cli.run import add_run_arguments, options_from_args, run
-from watchdogd.core.config import Config, ConfigError
+from watchdogd.core.config import Config
 from watchdogd.core.run_options import (
     DEFAULT_RDZV_TIMEOUT,
     Host,
@@ -29,7 +29,7 @@ from watchdogd.core.run_options import (
     run_options,
     unread_rdzv_conf,
 )
-from watchdogd.launcher import DefaultLogsSpecs, LaunchConfig, Std, launch_options
+from watchdogd.launcher import DefaultLogsSpecs, LaunchConfig, Std, launch_options, run_launch
 
 torch_run = pytest.importorskip("torch.distributed.run")
 torch_api = pytest.importorskip("torch.distributed.launcher.api")
@@ -171,6 +171,10 @@ def test_the_api_raises_value_error_naming_the_configs_field() -> None:
         launch(metrics_cfg={"a": "b"})
     with pytest.raises(ValueError, match=r"^rdzv_endpoint: the etcd backend needs"):
         group_spec(launch_options(LaunchConfig(1, 2, 1), ["x"]), host(Path("/nowhere")))
+    conf = {"join_timeout": "x"}
+    c10d = LaunchConfig(1, 2, 1, run_id="j", rdzv_backend="c10d", rdzv_configs=conf)
+    with pytest.raises(ValueError, match=r"^rdzv_configs: join_timeout: Expected `float"):
+        run_launch(c10d, "true", [])  # refused before anything runs
 
 
 def test_the_command_line_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,7 +185,10 @@ def test_the_command_line_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[
         (["--nnodes", "2:x"], "--nnodes: '2:x': expected N or MIN:MAX"),
         (["--nnodes", "1:2"], "--nnodes: the static backend needs a fixed node count"),
         (["--rdzv-id", "x", "--rdzv-backend", "etcd"], "--rdzv-endpoint: the etcd backend"),
-    ]:
+        (["--straggler-window", "1"], "--straggler-window: Expected `int` >= 2\n"),
+        (["--rdzv-backend", "c10d", "--nnodes", "2", "--rdzv-conf", "join_timeout=x"],
+         "--rdzv-conf: join_timeout: Expected `float | null`, got `str`\n"),
+    ]:  # fmt: skip
         assert run(parser.parse_args([*flags, "--no-python", "true"]), Config()) == 2
         assert f"watchdogd run: {said}" in capsys.readouterr().err
 
@@ -313,8 +320,9 @@ def test_daemon_config_checks_what_the_options_ask() -> None:
     drill = run_options({"faults": [{"kind": "kill", "rank": 0}], "event_log": "/tmp/e"})
     changed = daemon_config(drill, Config())
     assert (changed.fault_injection, changed.event_log) == (True, "/tmp/e")
-    with pytest.raises(ConfigError, match="straggler_window"):
+    with pytest.raises(OptionsError, match=r"^straggler_window: Expected `int` >= 2$") as caught:
         daemon_config(run_options({"straggler_window": 1}), Config())
+    assert caught.value.field == "straggler_window"
 
 
 def test_handled_signals_are_torchruns() -> None:

@@ -340,6 +340,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
         signals = handled_signals(options.signals_to_handle)
         spec = group_spec(options, this_host())
         check_entrypoint(options)
+        run_config = daemon_config(options, config)
     except ValueError as e:
         print(f"watchdogd run: {_usage_error(e)}", file=sys.stderr)
         return EXIT_USAGE
@@ -348,9 +349,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
         print(f"watchdogd run: warning: --rdzv-conf {', '.join(unread)}: "
               "not read by torch's c10d backend, ignored", file=sys.stderr)  # fmt: skip
     try:
-        outcome = run_group(
-            daemon_config(options, config), spec, signals=signals, fault_consent=_FAULT_CONSENT
-        )
+        outcome = run_group(run_config, spec, signals=signals, fault_consent=_FAULT_CONSENT)
     except ConfigError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from watchdogd.core.config import Config, override
+from watchdogd.core.config import Config, ConfigError, override
 from watchdogd.core.numa import AffinityMode
 from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd_client.groups import C10dConf, DeadlineRule, Fault, GroupSpec
@@ -57,6 +57,7 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torch's, CLI and LaunchConf
 DEFAULT_RDZV_TIMEOUT = 900  # LaunchConfig's rdzv_configs["timeout"] unless told
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+_OVERRIDES = "run options"  # how a ConfigError names the config keys the options set
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -164,15 +165,20 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
 
 
+def _located(error: msgspec.ValidationError) -> tuple[str, list[str]]:
+    """msgspec's message, and the names on its path (``$.a[0].b``: a, b; none: [])."""
+    message, at, path = str(error).partition(" - at `$.")
+    return message, [part.split("[")[0] for part in path.rstrip("`").split(".")] if at else []
+
+
 def run_options(fields: Mapping[str, Any]) -> RunOptions:
     """``fields`` (strings are read as the field's type: ``"3"`` is 3) as checked options."""
     try:
         return msgspec.convert(fields, RunOptions, strict=False)
     except msgspec.ValidationError as e:
-        text = str(e)
-        message, at, path = text.partition(" - at `$.")
-        if at:
-            raise OptionsError(path.rstrip("`").split(".")[0].split("[")[0], message) from None
+        text, names = _located(e)
+        if names:
+            raise OptionsError(names[0], text) from None
         field, _, message = text.partition(": ")
         if field in RunOptions.__struct_fields__:
             raise OptionsError(field, message) from None
@@ -276,7 +282,8 @@ def _c10d_conf(options: RunOptions) -> C10dConf:
     try:
         return msgspec.convert(read, C10dConf, strict=False)  # "5" is 5, "true" is True
     except msgspec.ValidationError as e:
-        raise OptionsError("rdzv_conf", str(e)) from None
+        message, names = _located(e)
+        raise OptionsError("rdzv_conf", ": ".join([*names, message])) from None
 
 
 def _etcd_conf(options: RunOptions) -> dict[str, float]:
@@ -350,9 +357,8 @@ _OPTION_OF = {
 
 def _spec_error(error: msgspec.ValidationError) -> ValueError:
     """A GroupSpec's complaint about one of its fields, as the option's."""
-    message, at, path = str(error).partition(" - at `$.")
-    names = [part.split("[")[0] for part in path.rstrip("`").split(".")]
-    if not at or names == ["rendezvous"]:  # a rule across fields: the message names them
+    message, names = _located(error)
+    if names in ([], ["rendezvous"]):  # a rule across fields: the message names them
         return ValueError(message)
     name = names[-1] if names[0] == "rendezvous" else names[0]
     return OptionsError(_OPTION_OF.get(name, name), message)
@@ -417,7 +423,7 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
 
 def daemon_config(options: RunOptions, config: Config) -> Config:
     """``config`` with what ``options`` ask of the run's daemon laid over it, checked
-    as a config file's keys are (ConfigError names the key)."""
+    as a config file's keys are (OptionsError names the option)."""
     given: dict[str, object] = {
         key: value
         for key, value in (
@@ -432,4 +438,10 @@ def daemon_config(options: RunOptions, config: Config) -> Config:
         given["event_log_handler"] = options.event_log_handler
     if options.faults or options.fault_injection:  # the operator's consent to drills
         given["fault_injection"] = True
-    return override(config, "run options", **given) if given else config
+    try:
+        return override(config, _OVERRIDES, **given) if given else config
+    except ConfigError as e:  # "run options: KEY: why", and each key here is the option's name
+        key, _, message = str(e).removeprefix(f"{_OVERRIDES}: ").partition(": ")
+        if key in given:
+            raise OptionsError(key, message) from None
+        raise
