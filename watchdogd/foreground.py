@@ -12,6 +12,7 @@ whose run was killed before it could is swept by the next run
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -131,7 +132,9 @@ def run_group(
             tidy(runtime_dir)
         raise
     if swept:
-        daemon.events.emit("stale_run_dirs_swept", paths=" ".join(map(str, swept)))
+        daemon.events.emit_at(
+            logging.DEBUG, "stale_run_dirs_swept", paths=" ".join(map(str, swept))
+        )
     group = _GroupRun(daemon, spec, starter)
     group.outcome.daemon = daemon
     try:

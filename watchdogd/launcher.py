@@ -425,7 +425,10 @@ def _launch(
 ) -> Result:
     try:
         config = daemon_config(run, Config())
-        with _signals_forwarded(handled_signals(run.signals_to_handle)) as forward:
+        with (
+            _signals_forwarded(handled_signals(run.signals_to_handle)) as forward,
+            _log_level(run.log_level),
+        ):
             outcome = run_group(config, spec, starter=starter, on_started=forward)
     except ConfigError as e:  # an event_log_handler that cannot be had
         raise ValueError(str(e)) from None
@@ -460,6 +463,22 @@ def _launch(
         except (OSError, pickle.UnpicklingError, EOFError) as e:
             raise LaunchError(f"rank {worker.rank} exited 0 but left no return value: {e}") from e
     return Result(name, outcome.state, values, [], None)
+
+
+@contextlib.contextmanager
+def _log_level(level: str | None) -> Iterator[None]:
+    """watchdogd's logger at ``level`` for the run, if one was asked; else the caller's
+    logging decides, as it does for torch's launcher."""
+    if level is None:
+        yield
+        return
+    logger = logging.getLogger("watchdogd")
+    previous = logger.level
+    logger.setLevel(level.upper())
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 @contextlib.contextmanager

@@ -68,6 +68,33 @@ def test_an_unknown_flag_is_shown_with_the_usage_of_watchdogd_run() -> None:
     assert "watchdogd run: error: unrecognized arguments: --nprocs\n" in out.stderr
 
 
+# -- --log-level, --quiet ---------------------------------------------------------------
+
+HOLDS_A_TIMER_AT_EXIT = """
+import watchdogd_client as wd
+wd.expires(after=60).__enter__()  # still armed when the worker exits 0
+print("done")
+"""
+
+
+def test_routine_events_are_shown_only_at_debug(tmp_path: Path) -> None:
+    worker = script(tmp_path, HOLDS_A_TIMER_AT_EXIT)
+    default = run("--nproc-per-node", "2", worker)
+    debug = run("--log-level", "debug", "--nproc-per-node", "2", worker)
+    for out in default, debug:
+        assert (out.returncode, out.stdout) == (0, "done\ndone\n"), out.stderr
+    assert "state='SUCCEEDED'" in default.stderr and "timers_dropped" not in default.stderr
+    assert debug.stderr.count("[watchdogd] timers_dropped reason='process exited'") == 2
+
+
+def test_quiet_shows_only_what_went_wrong(tmp_path: Path) -> None:
+    out = run("-q", "--nproc-per-node", "2", script(tmp_path, HOLDS_A_TIMER_AT_EXIT))
+    assert (out.returncode, out.stdout, out.stderr) == (0, "done\ndone\n", "")
+    failed = run("--quiet", "--no-python", "false")
+    assert failed.returncode == 1
+    assert "[watchdogd] worker_failed" in failed.stderr and "group_state" not in failed.stderr
+
+
 # -- --numa-binding (the binding itself: tests/unit/test_numa.py, test_numa_binding.py) --
 
 

@@ -156,6 +156,14 @@ def test_a_bad_option_names_its_field(fields: dict[str, object], field: str) -> 
     assert caught.value.field == field
 
 
+def test_the_log_level_from_the_flags_and_only_logging_s_names() -> None:
+    assert (cli().log_level, cli("-q").log_level) == (None, "warning")
+    assert cli("--quiet", "--log-level", "debug").log_level == "debug"  # the last one given
+    with pytest.raises(OptionsError) as caught:
+        run_options({"log_level": "loud"})
+    assert caught.value.field == "log_level"
+
+
 def test_the_api_raises_value_error_naming_the_configs_field() -> None:
     def launch(**fields: object) -> None:
         fields = {"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 1, **fields}

@@ -188,7 +188,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     if args.command == "run":
-        with stderr_logging("INFO", "[watchdogd] %(message)s"):
+        with stderr_logging(launch.log_level(args), "[watchdogd] %(message)s"):
             config = Config()
             _prepare_loop_priority(config, logging.DEBUG)  # an unprivileged user's run: no noise
             return launch.run(args, config)

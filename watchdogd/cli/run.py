@@ -53,12 +53,13 @@ from watchdogd.groups.runner import GroupRunner
 from watchdogd.linux.plugins import LOGS_SPECS_GROUP, has_entry_point, not_found
 from watchdogd_client.groups import DeadlineRule, Fault, GroupState
 
-__all__ = ["add_run_arguments", "options_from_args", "run"]
+__all__ = ["add_run_arguments", "log_level", "options_from_args", "run"]
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 _FAULT_CONSENT = "start `watchdogd run` with --fault-injection"
 _DEFAULT = RunOptions()
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _flag(
@@ -186,6 +187,12 @@ def add_run_arguments(
           f"(default {_DEFAULT.event_log_handler})")  # fmt: skip
     parser.add_argument("--event-log", metavar="FILE", default=argparse.SUPPRESS,
                         help="append events as JSON lines to FILE")  # fmt: skip
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                        help="watchdogd's own messages on stderr, not the workers' "
+                        "output (default info; debug adds routine per-worker events)")  # fmt: skip
+    parser.add_argument("-q", "--quiet", dest="log_level", action="store_const",
+                        const="warning", default=argparse.SUPPRESS,
+                        help="--log-level warning: only what went wrong")  # fmt: skip
     parser.add_argument(
         "--trace",
         metavar="FILE",
@@ -203,6 +210,11 @@ def add_run_arguments(
         "training_script", nargs="?", metavar="SCRIPT", help="script, module, or -- CMD ARGS"
     )
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """The level of ``watchdogd run``'s own log on stderr (``logging``'s name for it)."""
+    return str(getattr(args, "log_level", None) or "info").upper()
 
 
 def _logs_specs_name(name: str) -> str:

@@ -143,6 +143,9 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     event_log: str | None = None
     trace: str | None = None
     """At exit, write the run's timeline as a Chrome trace here (the command line's)."""
+    log_level: Literal["debug", "info", "warning", "error"] | None = None
+    """How much of watchdogd's own log is shown, never the workers' output (None: the
+    command line's ``info``; the launch API leaves the caller's logging as it is)."""
     straggler_window: int | None = None
     straggler_publish_interval: float | None = None
     process_containment: Literal["auto", "session"] | None = None
