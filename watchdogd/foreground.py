@@ -3,10 +3,12 @@
 What ``watchdogd run`` runs for its command line and ``watchdogd.launcher``
 for a Python call: a :class:`~watchdogd.daemon.Daemon` on a private
 runtime directory (so it never collides with the node's daemon), one group
-submitted to it, and the daemon stopped once the group is over. Stack dumps
-of hung workers outlive the run: beside the logs, or kept in the runtime
-directory, which is otherwise removed on every way out; a runtime directory
-whose run was killed before it could is swept by the next run
+submitted to it, and the daemon stopped once the group is over. The
+runtime directory is also the daemon's state directory (its snapshot, the
+stack dumps of hung workers): none of it goes among the user's logs, which
+get a directory per run, as torch's do. It is removed on every way out but
+for stack dumps, which outlive the run there; a runtime directory whose run
+was killed before it could is swept by the next run
 (:mod:`watchdogd.linux.run_dirs`).
 """
 
@@ -39,6 +41,8 @@ from watchdogd_client.groups import GroupSpec, GroupState
 
 __all__ = ["Outcome", "check_entrypoint", "run_group", "this_host"]
 
+log = logging.getLogger("watchdogd")
+
 
 @dataclass
 class Outcome:
@@ -64,8 +68,15 @@ def this_host() -> Host:
         gpus=visible_gpus(),
         cpus=os.cpu_count() or 1,
         executable=sys.executable,
-        make_log_dir=partial(tempfile.mkdtemp, prefix="watchdogd-logs-"),
+        make_log_dir=_make_run_log_dir,
     )
+
+
+def _make_run_log_dir(parent: str | None, run_id: str) -> str:
+    """torch's ``DefaultLogsSpecs`` run directory: ``<parent>/<run id>_<random>``."""
+    root = tempfile.mkdtemp(prefix="watchdogd-logs-") if parent is None else parent
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
 
 
 def check_entrypoint(options: RunOptions) -> None:
@@ -94,9 +105,9 @@ def _run_config(config: Config, spec: GroupSpec) -> tuple[Config, Path | None]:
     if config.runtime_dir is None and config.socket is None:
         runtime_dir = make_run_dir()
         changes["runtime_dir"] = str(runtime_dir)
-    if config.state_dir is None:
-        state_dir = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
-        changes["state_dir"] = str(state_dir) if state_dir else None
+    if config.state_dir is None and runtime_dir is not None:
+        # The snapshot and stack dumps are the run's own, never among the user's logs.
+        changes["state_dir"] = str(runtime_dir)
     try:
         return override(config, "the run's environment", **changes), runtime_dir
     except BaseException:
@@ -135,6 +146,8 @@ def run_group(
         daemon.events.emit_at(
             logging.DEBUG, "stale_run_dirs_swept", paths=" ".join(map(str, swept))
         )
+    if spec.log_dir is not None:
+        log.info("log directory set to: %s", spec.log_dir)  # torch's words
     group = _GroupRun(daemon, spec, starter)
     group.outcome.daemon = daemon
     try:

@@ -177,8 +177,9 @@ class Std(enum.IntFlag):
 class DefaultLogsSpecs:
     """torch's ``DefaultLogsSpecs``, without torch: where the workers' logs go.
 
-    ``log_dir``: per-attempt, per-rank files (watchdogd's layout); None: only
-    error files, in a directory of the group's own. ``redirects`` sends
+    ``log_dir``: a directory per run in it, ``<run id>_<random>``, as torch's,
+    holding per-attempt, per-rank files (``<role>/attempt_<n>/<local rank>/``);
+    None: only error files, in a directory of the group's own. ``redirects`` sends
     streams to files only, ``tee`` to files and the console;
     ``local_ranks_filter`` keeps other ranks off the console.
     """
@@ -392,9 +393,9 @@ def run_launch(
         command = [f"{entrypoint.__module__}:{getattr(entrypoint, '__qualname__', name)}"]
     run = launch_options(config, command, **options)
     try:
-        spec = group_spec(run, this_host())
         if isinstance(entrypoint, str):
             check_entrypoint(run)
+        spec = group_spec(run, this_host())
     except ValueError as e:
         raise _in_config_words(e) from None
     unread = unread_rdzv_conf(run)

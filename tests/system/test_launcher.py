@@ -115,6 +115,16 @@ def test_a_program_entrypoint_returns_none_per_rank() -> None:
         elastic_launch(config(1), "./nosuch")()
 
 
+def test_default_logs_specs_makes_a_directory_per_run_in_its_log_dir_as_torchs(
+    tmp_path: Path,
+) -> None:
+    logs = launcher.DefaultLogsSpecs(log_dir=str(tmp_path), redirects=launcher.Std.OUT)
+    for word in ("first", "second"):
+        assert elastic_launch(config(1, logs_specs=logs), "echo")(word) == {0: None}
+    outputs = {p.read_text() for p in tmp_path.glob("t_*/default_role/attempt_0/0/stdout.log")}
+    assert outputs == {"first\n", "second\n"}
+
+
 def test_a_log_level_asked_of_the_launch_holds_for_its_run_only(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -22,7 +22,7 @@ from watchdogd.core.run_options import group_spec
 from watchdogd.foreground import this_host
 from watchdogd.groups.c10d_backend import _torch_conf_value
 
-from ..conftest import wait_until
+from ..conftest import kept_dumps, run_log_dir, wait_until
 from ..conftest import watchdogd_run as run
 
 
@@ -351,10 +351,26 @@ def test_logs_specs_default_and_a_missing_one(tmp_path: Path) -> None:
     out = run("--logs-specs", "default", "--log-dir", str(tmp_path), "-r", "1",
               "--no-python", "echo", "hello")  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert (tmp_path / "default/attempt_0/0/stdout.log").read_text() == "hello\n"
+    assert (run_log_dir(tmp_path) / "default/attempt_0/0/stdout.log").read_text() == "hello\n"
     out = run("--logs_specs", "DOESNOT_EXIST", "--no-python", "true")
     assert out.returncode == 2
     assert "Could not find entrypoint under 'torchrun.logs_specs[DOESNOT_EXIST]' key" in out.stderr
+
+
+def test_a_log_dir_used_again_gets_a_directory_per_run_and_nothing_of_watchdogds(
+    tmp_path: Path,
+) -> None:
+    worker = script(tmp_path, HOLDS_A_TIMER_AT_EXIT)  # so there are timers to snapshot
+    logs = tmp_path / "logs"
+    for _ in range(2):
+        out = run("--log-dir", str(logs), "-r", "1", "--rdzv-id", "job", worker)
+        assert out.returncode == 0, out.stderr
+    runs = sorted(logs.iterdir(), key=lambda p: p.stat().st_mtime)
+    assert len(runs) == 2 and all(p.name.startswith("job_") for p in runs)
+    assert f"log directory set to: {runs[1]}" in out.stderr
+    files = sorted(str(p.relative_to(logs)) for p in logs.rglob("*") if p.is_file())
+    assert files == sorted(f"{p.name}/default/attempt_0/0/stdout.log" for p in runs)
+    assert [(p / "default/attempt_0/0/stdout.log").read_text() for p in runs] == ["done\n"] * 2
 
 
 FLAT_LOGS_SPECS = """
@@ -513,13 +529,14 @@ def test_flight_recorder_keeps_each_ranks_trace_of_a_hang_and_the_run_restarts(
     kills = [e["name"] for e in trace if e.get("cat") == "kill"]
     assert kills == ["kill SIGKILL: step"]
     assert [e["name"] for e in trace if e.get("cat") == "restart"] == ["restart: attempt 1"]
-    assert f"stacks of hung workers in {logs / 'default' / 'dumps'}" in out.stderr
-    (dump,) = (logs / "default" / "dumps").glob("*.txt")
+    dumps = kept_dumps(out.stderr)
+    (dump,) = dumps.glob("*.txt")
     assert sorted(p.name for p in dump.parent.glob("*.trace")) == [
         f"{dump.stem}.rank0.trace",
         f"{dump.stem}.rank1.trace",
     ]
+    shutil.rmtree(dumps.parent)
     # Each attempt has a directory of its own for the ranks' pipes and traces.
     for attempt in (0, 1):
-        recorder = logs / "default" / f"attempt_{attempt}" / "flight_recorder"
+        recorder = run_log_dir(logs) / "default" / f"attempt_{attempt}" / "flight_recorder"
         assert {p.name for p in recorder.iterdir()} >= {"pipe_rank_0.pipe", "pipe_rank_1.pipe"}

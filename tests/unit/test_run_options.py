@@ -56,7 +56,7 @@ def host(tmp_path: Path, gpus: list[str] | None = None, **environ: str) -> Host:
         gpus=gpus,
         cpus=6,
         executable="/usr/bin/python3",
-        make_log_dir=lambda: str(tmp_path / f"logs-{next(made)}"),
+        make_log_dir=lambda parent, run_id: f"{parent or tmp_path}/{run_id}_{next(made)}",
     )
 
 
@@ -220,14 +220,17 @@ def test_the_host_decides_nproc_the_interpreter_and_the_grace(tmp_path: Path) ->
     assert group_spec(grace, no_gpu).shutdown_timeout == 4
 
 
-def test_a_log_dir_is_made_only_for_files_nobody_placed(tmp_path: Path) -> None:
+def test_each_run_gets_a_log_dir_of_its_own_as_under_torchrun(tmp_path: Path) -> None:
     machine = host(tmp_path)
     assert group_spec(run_options({"script": "t"}), machine).log_dir is None
     assert group_spec(run_options({"script": "t", "tee": "3"}), machine).log_dir == str(
-        tmp_path / "logs-0"
-    )
-    placed = run_options({"script": "t", "tee": "3", "log_dir": "/var/log/x"})
-    assert group_spec(placed, machine).log_dir == "/var/log/x"
+        tmp_path / "none_0"
+    )  # files nobody placed: a temporary directory of their own
+    placed = run_options({"script": "t", "log_dir": "/var/log/x", "run_id": "job"})
+    assert group_spec(placed, machine).log_dir == "/var/log/x/job_1"
+    assert group_spec(placed, machine).log_dir == "/var/log/x/job_2"  # never the last one's
+    theirs = run_options({"script": "t", "log_dir": "/var/log/x", "logs_specs": "flat"})
+    assert group_spec(theirs, machine).log_dir == "/var/log/x"  # a LogsSpecs makes its own
 
 
 def test_the_static_master_comes_from_the_endpoint_unless_standalone(tmp_path: Path) -> None:

@@ -350,9 +350,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
     try:
         options = options_from_args(args)
         signals = handled_signals(options.signals_to_handle)
-        spec = group_spec(options, this_host())
         check_entrypoint(options)
         run_config = daemon_config(options, config)
+        spec = group_spec(options, this_host())  # last: it makes the run's log directory
     except ValueError as e:
         print(f"watchdogd run: {_usage_error(e)}", file=sys.stderr)
         return EXIT_USAGE

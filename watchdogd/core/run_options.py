@@ -244,8 +244,10 @@ class Host:
     cpus: int
     executable: str
     """The Python interpreter a script runs with, unless ``$PYTHON_EXEC`` says otherwise."""
-    make_log_dir: Callable[[], str]
-    """A new directory for logs nobody asked a place for."""
+    make_log_dir: Callable[[str | None, str], str]
+    """A new directory for one run's logs, as torch's ``DefaultLogsSpecs`` makes it:
+    ``<run id>_<random>`` in the directory given (a temporary one for None), so a
+    ``--log-dir`` used again never mixes two runs' files."""
 
 
 def _nproc(options: RunOptions, host: Host) -> int:
@@ -378,8 +380,8 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
     filters = options.duplicate_stdout_filters or options.duplicate_stderr_filters
     writes_files = options.redirects != "0" or options.tee != "0" or filters
     log_dir = options.log_dir
-    if log_dir is None and writes_files and logs_specs is None:
-        log_dir = host.make_log_dir()  # torch's default does so too
+    if logs_specs is None and (log_dir is not None or writes_files):
+        log_dir = host.make_log_dir(log_dir, options.run_id)  # a LogsSpecs makes its own
     shutdown_timeout = options.shutdown_timeout
     if shutdown_timeout is None:
         shutdown_timeout = default_shutdown_timeout(host.environ)
