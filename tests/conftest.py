@@ -169,6 +169,21 @@ async def exit_code(proc: subprocess.Popen[str], timeout: float = 15.0) -> int:
     return await anyio.to_thread.run_sync(partial(proc.wait, timeout))
 
 
+def run_log_dir(log_dir: Path) -> Path:
+    """The one run's directory ``watchdogd run --log-dir LOG_DIR`` made in it, as torchrun
+    makes one: ``<run id>_<random>``."""
+    (made,) = log_dir.iterdir()
+    return made
+
+
+def kept_dumps(stderr: str) -> Path:
+    """Where ``watchdogd run`` says it kept the stack dumps of hung workers (its
+    private run directory's ``dumps``: remove that directory once read)."""
+    said = "watchdogd run: stacks of hung workers in "
+    (line,) = [line for line in stderr.splitlines() if line.startswith(said)]
+    return Path(line.removeprefix(said))
+
+
 def watchdogd_run(
     *args: str, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:

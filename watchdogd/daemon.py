@@ -286,7 +286,7 @@ class Daemon:
                 else:
                     await shutdown_trigger()
                 self.notifier.notify("STOPPING=1")
-                self.events.emit("daemon_stopping", timers=len(self.timers))
+                self.events.emit_at(logging.DEBUG, "daemon_stopping", timers=len(self.timers))
                 await self.supervisor.stop_all()
                 tg.cancel_scope.cancel()
             self.persistence.write_now()

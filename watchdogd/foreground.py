@@ -3,16 +3,20 @@
 What ``watchdogd run`` runs for its command line and ``watchdogd.launcher``
 for a Python call: a :class:`~watchdogd.daemon.Daemon` on a private
 runtime directory (so it never collides with the node's daemon), one group
-submitted to it, and the daemon stopped once the group is over. Stack dumps
-of hung workers outlive the run: beside the logs, or kept in the runtime
-directory, which is otherwise removed on every way out; a runtime directory
-whose run was killed before it could is swept by the next run
+submitted to it, and the daemon stopped once the group is over. The
+runtime directory is also the daemon's state directory (its snapshot, the
+stack dumps of hung workers): none of it goes among the user's logs, which
+get a directory per run, as torch's do. It is removed on every way out but
+for stack dumps, which outlive the run there; a runtime directory whose run
+was killed before it could is swept by the next run
 (:mod:`watchdogd.linux.run_dirs`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -26,7 +30,7 @@ from anyio.from_thread import start_blocking_portal
 
 from watchdogd.core.config import Config, override
 from watchdogd.core.ports import GroupError
-from watchdogd.core.run_options import Host
+from watchdogd.core.run_options import Host, OptionsError, RunOptions
 from watchdogd.daemon import Daemon
 from watchdogd.groups.runner import GroupRunner, visible_gpus
 from watchdogd.groups.starters import WorkerStarter
@@ -35,7 +39,9 @@ from watchdogd.linux import aio as _aio
 from watchdogd.linux.run_dirs import make_run_dir, sweep, tidy
 from watchdogd_client.groups import GroupSpec, GroupState
 
-__all__ = ["Outcome", "run_group", "this_host"]
+__all__ = ["Outcome", "check_entrypoint", "run_group", "this_host"]
+
+log = logging.getLogger("watchdogd")
 
 
 @dataclass
@@ -62,8 +68,28 @@ def this_host() -> Host:
         gpus=visible_gpus(),
         cpus=os.cpu_count() or 1,
         executable=sys.executable,
-        make_log_dir=partial(tempfile.mkdtemp, prefix="watchdogd-logs-"),
+        make_log_dir=_make_run_log_dir,
     )
+
+
+def _make_run_log_dir(parent: str | None, run_id: str) -> str:
+    """torch's ``DefaultLogsSpecs`` run directory: ``<parent>/<run id>_<random>``."""
+    root = tempfile.mkdtemp(prefix="watchdogd-logs-") if parent is None else parent
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
+
+
+def check_entrypoint(options: RunOptions) -> None:
+    """OptionsError (``script``) naming a script or program that is not there, before
+    any worker starts; a module (``-m``) is left to the workers' interpreter to find."""
+    script = options.script
+    if script is None or options.module:
+        return
+    if options.no_python:
+        if shutil.which(script) is None:
+            raise OptionsError("script", f"{script}: no such program (or not executable)")
+    elif not os.path.exists(script):
+        raise OptionsError("script", f"{script}: no such file")
 
 
 def _run_config(config: Config, spec: GroupSpec) -> tuple[Config, Path | None]:
@@ -79,9 +105,9 @@ def _run_config(config: Config, spec: GroupSpec) -> tuple[Config, Path | None]:
     if config.runtime_dir is None and config.socket is None:
         runtime_dir = make_run_dir()
         changes["runtime_dir"] = str(runtime_dir)
-    if config.state_dir is None:
-        state_dir = Path(spec.log_dir) / spec.name if spec.log_dir else runtime_dir
-        changes["state_dir"] = str(state_dir) if state_dir else None
+    if config.state_dir is None and runtime_dir is not None:
+        # The snapshot and stack dumps are the run's own, never among the user's logs.
+        changes["state_dir"] = str(runtime_dir)
     try:
         return override(config, "the run's environment", **changes), runtime_dir
     except BaseException:
@@ -117,7 +143,11 @@ def run_group(
             tidy(runtime_dir)
         raise
     if swept:
-        daemon.events.emit("stale_run_dirs_swept", paths=" ".join(map(str, swept)))
+        daemon.events.emit_at(
+            logging.DEBUG, "stale_run_dirs_swept", paths=" ".join(map(str, swept))
+        )
+    if spec.log_dir is not None:
+        log.info("log directory set to: %s", spec.log_dir)  # torch's words
     group = _GroupRun(daemon, spec, starter)
     group.outcome.daemon = daemon
     try:

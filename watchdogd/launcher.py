@@ -68,7 +68,7 @@ from watchdogd.core.run_options import (
     run_options,
     unread_rdzv_conf,
 )
-from watchdogd.foreground import run_group, this_host
+from watchdogd.foreground import check_entrypoint, run_group, this_host
 from watchdogd.groups.starters import CallableStarter
 from watchdogd.launch_failures import (
     ChildFailedError,
@@ -177,8 +177,9 @@ class Std(enum.IntFlag):
 class DefaultLogsSpecs:
     """torch's ``DefaultLogsSpecs``, without torch: where the workers' logs go.
 
-    ``log_dir``: per-attempt, per-rank files (watchdogd's layout); None: only
-    error files, in a directory of the group's own. ``redirects`` sends
+    ``log_dir``: a directory per run in it, ``<run id>_<random>``, as torch's,
+    holding per-attempt, per-rank files (``<role>/attempt_<n>/<local rank>/``);
+    None: only error files, in a directory of the group's own. ``redirects`` sends
     streams to files only, ``tee`` to files and the console;
     ``local_ranks_filter`` keeps other ranks off the console.
     """
@@ -392,6 +393,8 @@ def run_launch(
         command = [f"{entrypoint.__module__}:{getattr(entrypoint, '__qualname__', name)}"]
     run = launch_options(config, command, **options)
     try:
+        if isinstance(entrypoint, str):
+            check_entrypoint(run)
         spec = group_spec(run, this_host())
     except ValueError as e:
         raise _in_config_words(e) from None
@@ -423,7 +426,10 @@ def _launch(
 ) -> Result:
     try:
         config = daemon_config(run, Config())
-        with _signals_forwarded(handled_signals(run.signals_to_handle)) as forward:
+        with (
+            _signals_forwarded(handled_signals(run.signals_to_handle)) as forward,
+            _log_level(run.log_level),
+        ):
             outcome = run_group(config, spec, starter=starter, on_started=forward)
     except ConfigError as e:  # an event_log_handler that cannot be had
         raise ValueError(str(e)) from None
@@ -458,6 +464,22 @@ def _launch(
         except (OSError, pickle.UnpicklingError, EOFError) as e:
             raise LaunchError(f"rank {worker.rank} exited 0 but left no return value: {e}") from e
     return Result(name, outcome.state, values, [], None)
+
+
+@contextlib.contextmanager
+def _log_level(level: str | None) -> Iterator[None]:
+    """watchdogd's logger at ``level`` for the run, if one was asked; else the caller's
+    logging decides, as it does for torch's launcher."""
+    if level is None:
+        yield
+        return
+    logger = logging.getLogger("watchdogd")
+    previous = logger.level
+    logger.setLevel(level.upper())
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 @contextlib.contextmanager

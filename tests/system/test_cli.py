@@ -157,6 +157,24 @@ def test_help_explains_the_defaults() -> None:
     assert "XDG_RUNTIME_DIR" in out.stdout and "--fifo" in out.stdout
 
 
+def test_a_specs_relative_paths_are_its_directorys_not_the_daemons(short_dir: Path) -> None:
+    job = short_dir / "job"
+    (job / "bin").mkdir(parents=True)
+    (job / "bin/where.sh").write_text("#!/bin/sh\npwd\n")
+    (job / "bin/where.sh").chmod(0o755)
+    spec = job / "spec.toml"
+    spec.write_text(
+        'name = "rel"\nentrypoint = ["bin/where.sh"]\nlog_dir = "logs"\nredirects = "1"\n'
+    )
+    sock = short_dir / "watchdogd.sock"
+    with serve(short_dir):  # its working directory: the tests', not job/
+        out = subprocess.run(["watchdogctl", "--socket", str(sock), "submit", "spec.toml"],
+                             capture_output=True, text=True, cwd=job)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        stdout = job / "logs/rel/attempt_0/0/stdout.log"
+        wait_until(lambda: stdout.exists() and stdout.read_text() == f"{job}\n")
+
+
 def test_watchdogctl_controls_groups(short_dir: Path) -> None:
     config = short_dir / "watchdogd.toml"
     config.write_text(

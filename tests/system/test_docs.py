@@ -211,7 +211,7 @@ def test_every_command_and_flag_a_guide_names_exists() -> None:
             wrong += [f"{page.relative_to(REPO)}: {w}" for w in check_command(words)]
         for span in _code_spans(text):
             if span.startswith("--"):
-                for flag in _braces(span.split()[0].split("=")[0]):
+                for flag in _braces(span.split()[0].split("=")[0].rstrip(":,.")):
                     if flag not in OURS:
                         wrong.append(f"{page.relative_to(REPO)}: {flag}")
     assert wrong == []

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import pickle
+import shutil
 import socket
 import stat
 import subprocess
@@ -26,7 +27,7 @@ from watchdogd.core.flight_recorder import Recorder, decode_trace, summarize_tra
 from watchdogd.linux.flight_recorder import MAX_TRACE, collect
 from watchdogd.linux.worker_server import fetch_trace
 
-from ..conftest import REPO, wait_until, watchdogd_run
+from ..conftest import REPO, kept_dumps, wait_until, watchdogd_run
 from ..flight_recorder_standin import FlightRecorder
 from .test_cli import ctl, serve
 
@@ -231,7 +232,8 @@ def test_a_hung_gloo_job_leaves_every_ranks_collectives(short_dir: Path) -> None
     )  # fmt: skip
     assert out.returncode != 0
     assert "timer 'hang' expired" in out.stderr, out.stderr
-    (dump,) = (logs / "default" / "dumps").glob("*.txt")
+    dumps = kept_dumps(out.stderr)
+    (dump,) = dumps.glob("*.txt")
     traces = {
         rank: decode_trace((dump.parent / f"{dump.stem}.rank{rank}.trace").read_bytes())
         for rank in (0, 1)
@@ -245,6 +247,7 @@ def test_a_hung_gloo_job_leaves_every_ranks_collectives(short_dir: Path) -> None
     assert summarize_trace(traces[1]).startswith(
         "nothing pending; last gloo:all_reduce (pg 0:default_pg, seq 3,"
     )
+    shutil.rmtree(dumps.parent)
 
 
 def test_a_worker_server_that_is_not_the_ranks_is_never_asked(short_dir: Path) -> None:

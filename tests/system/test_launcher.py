@@ -8,6 +8,7 @@ group's loop in a thread of its own), and the workers are started by
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import signal
@@ -110,6 +111,29 @@ def test_a_program_entrypoint_returns_none_per_rank() -> None:
     with pytest.raises(ChildFailedError) as caught:
         elastic_launch(config(1), "sh")("-c", "exit 3")
     assert caught.value.failures[0].exitcode == 3
+    with pytest.raises(ValueError, match=r"^entrypoint: \./nosuch: no such program"):
+        elastic_launch(config(1), "./nosuch")()
+
+
+def test_default_logs_specs_makes_a_directory_per_run_in_its_log_dir_as_torchs(
+    tmp_path: Path,
+) -> None:
+    logs = launcher.DefaultLogsSpecs(log_dir=str(tmp_path), redirects=launcher.Std.OUT)
+    for word in ("first", "second"):
+        assert elastic_launch(config(1, logs_specs=logs), "echo")(word) == {0: None}
+    outputs = {p.read_text() for p in tmp_path.glob("t_*/default_role/attempt_0/0/stdout.log")}
+    assert outputs == {"first\n", "second\n"}
+
+
+def test_a_log_level_asked_of_the_launch_holds_for_its_run_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "watchdogd")
+    assert elastic_launch(config(1), "true", log_level="warning")() == {0: None}
+    assert not [r for r in caplog.records if r.name == "watchdogd"], caplog.text
+    assert logging.getLogger("watchdogd").level == logging.INFO  # the caller's, back
+    assert elastic_launch(config(1), "true")() == {0: None}
+    assert "group_state" in caplog.text
 
 
 def test_called_from_inside_a_running_event_loop() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ..conftest import kept_dumps
 from ..conftest import watchdogd_run as run
 
 PROBE = "import os\nIMPORTED_BY = os.getpid()\n"
@@ -160,8 +162,9 @@ def test_a_hung_prewarmed_worker_is_killed_by_its_timer_with_a_stack_dump(tmp_pa
     assert out.returncode == 0, out.stderr
     assert "attempt 0 spare=True" in out.stdout and "attempt 1 spare=True" in out.stdout
     assert "timer 'batch' expired" in out.stderr or "'batch'" in out.stderr
-    dumps = list((logs / "default" / "dumps").iterdir())
-    assert any("stuck_in_the_data_loader" in d.read_text() for d in dumps)
+    dumps = kept_dumps(out.stderr)
+    assert any("stuck_in_the_data_loader" in d.read_text() for d in dumps.iterdir())
+    shutil.rmtree(dumps.parent)
 
 
 def _spares_alive(token: str) -> list[int]:

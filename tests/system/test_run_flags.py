@@ -22,7 +22,7 @@ from watchdogd.core.run_options import group_spec
 from watchdogd.foreground import this_host
 from watchdogd.groups.c10d_backend import _torch_conf_value
 
-from ..conftest import wait_until
+from ..conftest import kept_dumps, run_log_dir, wait_until
 from ..conftest import watchdogd_run as run
 
 
@@ -59,6 +59,40 @@ def test_every_torchrun_option_is_accepted() -> None:
     shown = subprocess.run(["watchdogd", "run", "--help"], capture_output=True, text=True)
     assert shown.returncode == 0
     assert theirs - set(re.findall(r"(?<![\w-])--?[\w-]+", shown.stdout)) == set()
+
+
+def test_an_unknown_flag_is_shown_with_the_usage_of_watchdogd_run() -> None:
+    out = run("--nprocs", "--no-python", "true")
+    assert out.returncode == 2
+    assert out.stderr.startswith("usage: watchdogd run ")
+    assert "watchdogd run: error: unrecognized arguments: --nprocs\n" in out.stderr
+
+
+# -- --log-level, --quiet ---------------------------------------------------------------
+
+HOLDS_A_TIMER_AT_EXIT = """
+import watchdogd_client as wd
+wd.expires(after=60).__enter__()  # still armed when the worker exits 0
+print("done")
+"""
+
+
+def test_routine_events_are_shown_only_at_debug(tmp_path: Path) -> None:
+    worker = script(tmp_path, HOLDS_A_TIMER_AT_EXIT)
+    default = run("--nproc-per-node", "2", worker)
+    debug = run("--log-level", "debug", "--nproc-per-node", "2", worker)
+    for out in default, debug:
+        assert (out.returncode, out.stdout) == (0, "done\ndone\n"), out.stderr
+    assert "state='SUCCEEDED'" in default.stderr and "timers_dropped" not in default.stderr
+    assert debug.stderr.count("[watchdogd] timers_dropped reason='process exited'") == 2
+
+
+def test_quiet_shows_only_what_went_wrong(tmp_path: Path) -> None:
+    out = run("-q", "--nproc-per-node", "2", script(tmp_path, HOLDS_A_TIMER_AT_EXIT))
+    assert (out.returncode, out.stdout, out.stderr) == (0, "done\ndone\n", "")
+    failed = run("--quiet", "--no-python", "false")
+    assert failed.returncode == 1
+    assert "[watchdogd] worker_failed" in failed.stderr and "group_state" not in failed.stderr
 
 
 # -- --numa-binding (the binding itself: tests/unit/test_numa.py, test_numa_binding.py) --
@@ -131,9 +165,9 @@ def test_signals_to_handle_must_name_signals() -> None:
 def test_straggler_flags_are_checked_as_the_config_keys_are() -> None:
     out = run("--straggler-publish-interval", "0.01", "--no-python", "true")
     assert out.returncode == 2
-    assert "straggler_publish_interval: Expected `float` >= 0.1" in out.stderr
+    assert "--straggler-publish-interval: Expected `float` >= 0.1" in out.stderr
     out = run("--straggler-window", "1", "--no-python", "true")
-    assert out.returncode == 2 and "straggler_window" in out.stderr
+    assert out.returncode == 2 and "--straggler-window: " in out.stderr
     out = run("--straggler-window", "5", "--straggler-publish-interval", "1", "--no-python", "true")
     assert out.returncode == 0, out.stderr
 
@@ -228,7 +262,22 @@ def test_the_error_file_of_a_failure_is_reported_and_kept_without_a_log_dir(
     shutil.rmtree(error_file.parents[2])
 
 
+def test_a_killed_rank_is_reported_without_an_error_file_it_never_wrote() -> None:
+    out = run("--no-python", "sh", "-c", "kill -9 $$")
+    assert out.returncode == 1
+    assert "rank 0 (local rank 0" in out.stderr
+    assert "error file:" not in out.stderr
+
+
 # -- entrypoint forms -------------------------------------------------------------------
+
+
+def test_a_missing_script_or_program_is_bad_usage_before_any_worker_starts() -> None:
+    out = run("--nproc-per-node", "2", "nosuch.py")
+    assert (out.returncode, out.stderr) == (2, "watchdogd run: SCRIPT: nosuch.py: no such file\n")
+    out = run("--no-python", "./nosuch")
+    assert out.returncode == 2
+    assert "SCRIPT: ./nosuch: no such program" in out.stderr
 
 
 def test_no_python_with_module_is_refused_in_torchruns_words() -> None:
@@ -302,10 +351,26 @@ def test_logs_specs_default_and_a_missing_one(tmp_path: Path) -> None:
     out = run("--logs-specs", "default", "--log-dir", str(tmp_path), "-r", "1",
               "--no-python", "echo", "hello")  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert (tmp_path / "default/attempt_0/0/stdout.log").read_text() == "hello\n"
+    assert (run_log_dir(tmp_path) / "default/attempt_0/0/stdout.log").read_text() == "hello\n"
     out = run("--logs_specs", "DOESNOT_EXIST", "--no-python", "true")
     assert out.returncode == 2
     assert "Could not find entrypoint under 'torchrun.logs_specs[DOESNOT_EXIST]' key" in out.stderr
+
+
+def test_a_log_dir_used_again_gets_a_directory_per_run_and_nothing_of_watchdogds(
+    tmp_path: Path,
+) -> None:
+    worker = script(tmp_path, HOLDS_A_TIMER_AT_EXIT)  # so there are timers to snapshot
+    logs = tmp_path / "logs"
+    for _ in range(2):
+        out = run("--log-dir", str(logs), "-r", "1", "--rdzv-id", "job", worker)
+        assert out.returncode == 0, out.stderr
+    runs = sorted(logs.iterdir(), key=lambda p: p.stat().st_mtime)
+    assert len(runs) == 2 and all(p.name.startswith("job_") for p in runs)
+    assert f"log directory set to: {runs[1]}" in out.stderr
+    files = sorted(str(p.relative_to(logs)) for p in logs.rglob("*") if p.is_file())
+    assert files == sorted(f"{p.name}/default/attempt_0/0/stdout.log" for p in runs)
+    assert [(p / "default/attempt_0/0/stdout.log").read_text() for p in runs] == ["done\n"] * 2
 
 
 FLAT_LOGS_SPECS = """
@@ -464,13 +529,14 @@ def test_flight_recorder_keeps_each_ranks_trace_of_a_hang_and_the_run_restarts(
     kills = [e["name"] for e in trace if e.get("cat") == "kill"]
     assert kills == ["kill SIGKILL: step"]
     assert [e["name"] for e in trace if e.get("cat") == "restart"] == ["restart: attempt 1"]
-    assert f"stacks of hung workers in {logs / 'default' / 'dumps'}" in out.stderr
-    (dump,) = (logs / "default" / "dumps").glob("*.txt")
+    dumps = kept_dumps(out.stderr)
+    (dump,) = dumps.glob("*.txt")
     assert sorted(p.name for p in dump.parent.glob("*.trace")) == [
         f"{dump.stem}.rank0.trace",
         f"{dump.stem}.rank1.trace",
     ]
+    shutil.rmtree(dumps.parent)
     # Each attempt has a directory of its own for the ranks' pipes and traces.
     for attempt in (0, 1):
-        recorder = logs / "default" / f"attempt_{attempt}" / "flight_recorder"
+        recorder = run_log_dir(logs) / "default" / f"attempt_{attempt}" / "flight_recorder"
         assert {p.name for p in recorder.iterdir()} >= {"pipe_rank_0.pipe", "pipe_rank_1.pipe"}

@@ -75,11 +75,15 @@ def test_a_stuck_console_neither_stalls_the_daemon_nor_loses_log_bytes(tmp_path:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )  # fmt: skip
+    rank0 = "*/default/attempt_0/0/stdout.log"  # in the run's own <run id>_<random>/
+
+    def rank0_logged() -> bool:
+        return any(log.stat().st_size >= len(RANK0) for log in logs.glob(rank0))
+
     with proc:
         try:
-            log = logs / "default" / "attempt_0" / "0" / "stdout.log"
             # Nobody reads the console pipe, yet the daemon reads the rank's output to the end.
-            wait_until(lambda: log.exists() and log.stat().st_size >= len(RANK0), timeout=20)
+            wait_until(rank0_logged, timeout=20)
             console, stderr = proc.communicate(timeout=30)
         finally:
             if proc.poll() is None:
@@ -87,6 +91,7 @@ def test_a_stuck_console_neither_stalls_the_daemon_nor_loses_log_bytes(tmp_path:
     assert proc.returncode == 1, stderr
     assert time.monotonic() - started < 30
     assert b"killed by SIGKILL (watchdogd: timer" in stderr
+    (log,) = logs.glob(rank0)
     assert log.read_bytes() == RANK0
     assert (log.parent.parent / "1" / "stdout.log").read_bytes() == b"rank 1 done\n"
     shown, dropped = _dropped(console)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from watchdogd.cli.run import add_run_arguments, options_from_args, run
-from watchdogd.core.config import Config, ConfigError
+from watchdogd.core.config import Config
 from watchdogd.core.run_options import (
     DEFAULT_RDZV_TIMEOUT,
     Host,
@@ -29,7 +29,7 @@ from watchdogd.core.run_options import (
     run_options,
     unread_rdzv_conf,
 )
-from watchdogd.launcher import DefaultLogsSpecs, LaunchConfig, Std, launch_options
+from watchdogd.launcher import DefaultLogsSpecs, LaunchConfig, Std, launch_options, run_launch
 
 torch_run = pytest.importorskip("torch.distributed.run")
 torch_api = pytest.importorskip("torch.distributed.launcher.api")
@@ -56,7 +56,7 @@ def host(tmp_path: Path, gpus: list[str] | None = None, **environ: str) -> Host:
         gpus=gpus,
         cpus=6,
         executable="/usr/bin/python3",
-        make_log_dir=lambda: str(tmp_path / f"logs-{next(made)}"),
+        make_log_dir=lambda parent, run_id: f"{parent or tmp_path}/{run_id}_{next(made)}",
     )
 
 
@@ -156,6 +156,14 @@ def test_a_bad_option_names_its_field(fields: dict[str, object], field: str) -> 
     assert caught.value.field == field
 
 
+def test_the_log_level_from_the_flags_and_only_logging_s_names() -> None:
+    assert (cli().log_level, cli("-q").log_level) == (None, "warning")
+    assert cli("--quiet", "--log-level", "debug").log_level == "debug"  # the last one given
+    with pytest.raises(OptionsError) as caught:
+        run_options({"log_level": "loud"})
+    assert caught.value.field == "log_level"
+
+
 def test_the_api_raises_value_error_naming_the_configs_field() -> None:
     def launch(**fields: object) -> None:
         fields = {"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 1, **fields}
@@ -171,6 +179,10 @@ def test_the_api_raises_value_error_naming_the_configs_field() -> None:
         launch(metrics_cfg={"a": "b"})
     with pytest.raises(ValueError, match=r"^rdzv_endpoint: the etcd backend needs"):
         group_spec(launch_options(LaunchConfig(1, 2, 1), ["x"]), host(Path("/nowhere")))
+    conf = {"join_timeout": "x"}
+    c10d = LaunchConfig(1, 2, 1, run_id="j", rdzv_backend="c10d", rdzv_configs=conf)
+    with pytest.raises(ValueError, match=r"^rdzv_configs: join_timeout: Expected `float"):
+        run_launch(c10d, "true", [])  # refused before anything runs
 
 
 def test_the_command_line_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,7 +193,10 @@ def test_the_command_line_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[
         (["--nnodes", "2:x"], "--nnodes: '2:x': expected N or MIN:MAX"),
         (["--nnodes", "1:2"], "--nnodes: the static backend needs a fixed node count"),
         (["--rdzv-id", "x", "--rdzv-backend", "etcd"], "--rdzv-endpoint: the etcd backend"),
-    ]:
+        (["--straggler-window", "1"], "--straggler-window: Expected `int` >= 2\n"),
+        (["--rdzv-backend", "c10d", "--nnodes", "2", "--rdzv-conf", "join_timeout=x"],
+         "--rdzv-conf: join_timeout: Expected `float | null`, got `str`\n"),
+    ]:  # fmt: skip
         assert run(parser.parse_args([*flags, "--no-python", "true"]), Config()) == 2
         assert f"watchdogd run: {said}" in capsys.readouterr().err
 
@@ -205,14 +220,17 @@ def test_the_host_decides_nproc_the_interpreter_and_the_grace(tmp_path: Path) ->
     assert group_spec(grace, no_gpu).shutdown_timeout == 4
 
 
-def test_a_log_dir_is_made_only_for_files_nobody_placed(tmp_path: Path) -> None:
+def test_each_run_gets_a_log_dir_of_its_own_as_under_torchrun(tmp_path: Path) -> None:
     machine = host(tmp_path)
     assert group_spec(run_options({"script": "t"}), machine).log_dir is None
     assert group_spec(run_options({"script": "t", "tee": "3"}), machine).log_dir == str(
-        tmp_path / "logs-0"
-    )
-    placed = run_options({"script": "t", "tee": "3", "log_dir": "/var/log/x"})
-    assert group_spec(placed, machine).log_dir == "/var/log/x"
+        tmp_path / "none_0"
+    )  # files nobody placed: a temporary directory of their own
+    placed = run_options({"script": "t", "log_dir": "/var/log/x", "run_id": "job"})
+    assert group_spec(placed, machine).log_dir == "/var/log/x/job_1"
+    assert group_spec(placed, machine).log_dir == "/var/log/x/job_2"  # never the last one's
+    theirs = run_options({"script": "t", "log_dir": "/var/log/x", "logs_specs": "flat"})
+    assert group_spec(theirs, machine).log_dir == "/var/log/x"  # a LogsSpecs makes its own
 
 
 def test_the_static_master_comes_from_the_endpoint_unless_standalone(tmp_path: Path) -> None:
@@ -314,8 +332,9 @@ def test_daemon_config_checks_what_the_options_ask() -> None:
     changed = daemon_config(drill, Config())
     assert (changed.fault_injection, changed.event_log) == (True, "/tmp/e")
     assert daemon_config(cli("--metrics-listen", "9400"), Config()).metrics_listen == "9400"
-    with pytest.raises(ConfigError, match="straggler_window"):
+    with pytest.raises(OptionsError, match=r"^straggler_window: Expected `int` >= 2$") as caught:
         daemon_config(run_options({"straggler_window": 1}), Config())
+    assert caught.value.field == "straggler_window"
 
 
 def test_handled_signals_are_torchruns() -> None:

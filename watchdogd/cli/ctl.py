@@ -281,14 +281,30 @@ def _shown_state(group: GroupInfo) -> str:
 
 
 def cmd_submit(client: SocketTimerClient, args: argparse.Namespace) -> None:
-    """Start the worker group described by a TOML spec file."""
+    """Start the worker group described by a TOML spec file (relative paths in it are
+    the file's directory's; the workers start there unless it sets cwd)."""
     try:
         spec = msgspec.toml.decode(Path(args.spec).read_bytes(), type=GroupSpec)
     except OSError as e:
         raise UsageError(f"cannot read {args.spec}: {e.strerror}") from None
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise UsageError(f"{args.spec}: {e}") from None
-    print(client.submit_group(spec))
+    print(client.submit_group(_beside(spec, Path(args.spec).resolve().parent)))
+
+
+def _beside(spec: GroupSpec, directory: Path) -> GroupSpec:
+    """``spec``'s relative paths (``cwd``, ``log_dir``, ``rendezvous.python``) made absolute
+    in ``directory``, which is also ``cwd`` unless set: the daemon's own working directory
+    (``/`` under systemd) must not decide what they mean, nor where a script is found."""
+    python = spec.rendezvous.python
+    if python is not None and "/" in python:  # a name is looked up on PATH
+        python = str(directory / python)
+    return msgspec.structs.replace(
+        spec,
+        cwd=str(directory / (spec.cwd or "")),
+        log_dir=None if spec.log_dir is None else str(directory / spec.log_dir),
+        rendezvous=msgspec.structs.replace(spec.rendezvous, python=python),
+    )
 
 
 def cmd_stop(client: SocketTimerClient, args: argparse.Namespace) -> None:

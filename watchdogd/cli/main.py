@@ -160,14 +160,24 @@ def _serve(config: Config, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _parse_known(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args``, but a flag it does not know is shown with the usage of the
+    command that was given (``watchdogd run``'s), not the top-level one."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = _parser()
     if argv[:1] != ["run"] or "--" not in argv:
-        return parser.parse_args(argv)
+        return _parse_known(parser, argv)
     # `run [FLAGS] -- CMD ARGS`: everything after the first "--" is the command,
     # unless a script came before it, whose arguments then include the rest.
     split = argv.index("--")
-    args = parser.parse_args(argv[:split])
+    args = _parse_known(parser, argv[:split])
     if args.training_script is None:
         args.training_script, args.training_script_args = "--", argv[split + 1 :]
     else:
@@ -178,7 +188,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     if args.command == "run":
-        with stderr_logging("INFO", "[watchdogd] %(message)s"):
+        with stderr_logging(launch.log_level(args), "[watchdogd] %(message)s"):
             config = Config()
             _prepare_loop_priority(config, logging.DEBUG)  # an unprivileged user's run: no noise
             return launch.run(args, config)

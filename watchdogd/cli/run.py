@@ -48,17 +48,18 @@ from watchdogd.core.run_options import (
     unread_rdzv_conf,
 )
 from watchdogd.daemon import Daemon
-from watchdogd.foreground import run_group, this_host
+from watchdogd.foreground import check_entrypoint, run_group, this_host
 from watchdogd.groups.runner import GroupRunner
 from watchdogd.linux.plugins import LOGS_SPECS_GROUP, has_entry_point, not_found
 from watchdogd_client.groups import DeadlineRule, Fault, GroupState
 
-__all__ = ["add_run_arguments", "options_from_args", "run"]
+__all__ = ["add_run_arguments", "log_level", "options_from_args", "run"]
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 _FAULT_CONSENT = "start `watchdogd run` with --fault-injection"
 _DEFAULT = RunOptions()
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _flag(
@@ -203,6 +204,12 @@ def add_run_arguments(
     parser.add_argument("--metrics-listen", metavar="[HOST:]PORT", default=argparse.SUPPRESS,
                         help="serve /metrics and /healthz (503 while the node is stalled or "
                         "quarantined) there; loopback for a bare PORT")  # fmt: skip
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS,
+                        help="watchdogd's own messages on stderr, not the workers' "
+                        "output (default info; debug adds routine per-worker events)")  # fmt: skip
+    parser.add_argument("-q", "--quiet", dest="log_level", action="store_const",
+                        const="warning", default=argparse.SUPPRESS,
+                        help="--log-level warning: only what went wrong")  # fmt: skip
     parser.add_argument(
         "--trace",
         metavar="FILE",
@@ -220,6 +227,11 @@ def add_run_arguments(
         "training_script", nargs="?", metavar="SCRIPT", help="script, module, or -- CMD ARGS"
     )
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """The level of ``watchdogd run``'s own log on stderr (``logging``'s name for it)."""
+    return str(getattr(args, "log_level", None) or "info").upper()
 
 
 def _logs_specs_name(name: str) -> str:
@@ -346,7 +358,7 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
         )
         if failure.error_message:
             lines.append(f"  error: {failure.error_message}")
-        if failure.error_file:
+        if failure.error_file and os.path.exists(failure.error_file):  # a killed rank wrote none
             lines.append(f"  error file: {failure.error_file}")
     return "\n".join(lines)
 
@@ -355,7 +367,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
     try:
         options = options_from_args(args)
         signals = handled_signals(options.signals_to_handle)
-        spec = group_spec(options, this_host())
+        check_entrypoint(options)
+        run_config = daemon_config(options, config)
+        spec = group_spec(options, this_host())  # last: it makes the run's log directory
     except ValueError as e:
         print(f"watchdogd run: {_usage_error(e)}", file=sys.stderr)
         return EXIT_USAGE
@@ -364,9 +378,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
         print(f"watchdogd run: warning: --rdzv-conf {', '.join(unread)}: "
               "not read by torch's c10d backend, ignored", file=sys.stderr)  # fmt: skip
     try:
-        outcome = run_group(
-            daemon_config(options, config), spec, signals=signals, fault_consent=_FAULT_CONSENT
-        )
+        outcome = run_group(run_config, spec, signals=signals, fault_consent=_FAULT_CONSENT)
     except ConfigError as e:
         print(f"watchdogd run: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from watchdogd.core.config import Config, override
+from watchdogd.core.config import Config, ConfigError, override
 from watchdogd.core.numa import AffinityMode
 from watchdogd.core.workerenv import apply_env_knobs
 from watchdogd_client.groups import C10dConf, DeadlineRule, Fault, GroupSpec
@@ -57,6 +57,7 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torch's, CLI and LaunchConf
 DEFAULT_RDZV_TIMEOUT = 900  # LaunchConfig's rdzv_configs["timeout"] unless told
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+_OVERRIDES = "run options"  # how a ConfigError names the config keys the options set
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -150,6 +151,9 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``PORT`` or ``HOST:PORT``: the run's ``/metrics`` and ``/healthz`` (None: none)."""
     trace: str | None = None
     """At exit, write the run's timeline as a Chrome trace here (the command line's)."""
+    log_level: Literal["debug", "info", "warning", "error"] | None = None
+    """How much of watchdogd's own log is shown, never the workers' output (None: the
+    command line's ``info``; the launch API leaves the caller's logging as it is)."""
     straggler_window: int | None = None
     straggler_publish_interval: float | None = None
     process_containment: Literal["auto", "session"] | None = None
@@ -172,15 +176,20 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
 
 
+def _located(error: msgspec.ValidationError) -> tuple[str, list[str]]:
+    """msgspec's message, and the names on its path (``$.a[0].b``: a, b; none: [])."""
+    message, at, path = str(error).partition(" - at `$.")
+    return message, [part.split("[")[0] for part in path.rstrip("`").split(".")] if at else []
+
+
 def run_options(fields: Mapping[str, Any]) -> RunOptions:
     """``fields`` (strings are read as the field's type: ``"3"`` is 3) as checked options."""
     try:
         return msgspec.convert(fields, RunOptions, strict=False)
     except msgspec.ValidationError as e:
-        text = str(e)
-        message, at, path = text.partition(" - at `$.")
-        if at:
-            raise OptionsError(path.rstrip("`").split(".")[0].split("[")[0], message) from None
+        text, names = _located(e)
+        if names:
+            raise OptionsError(names[0], text) from None
         field, _, message = text.partition(": ")
         if field in RunOptions.__struct_fields__:
             raise OptionsError(field, message) from None
@@ -243,8 +252,10 @@ class Host:
     cpus: int
     executable: str
     """The Python interpreter a script runs with, unless ``$PYTHON_EXEC`` says otherwise."""
-    make_log_dir: Callable[[], str]
-    """A new directory for logs nobody asked a place for."""
+    make_log_dir: Callable[[str | None, str], str]
+    """A new directory for one run's logs, as torch's ``DefaultLogsSpecs`` makes it:
+    ``<run id>_<random>`` in the directory given (a temporary one for None), so a
+    ``--log-dir`` used again never mixes two runs' files."""
 
 
 def _nproc(options: RunOptions, host: Host) -> int:
@@ -284,7 +295,8 @@ def _c10d_conf(options: RunOptions) -> C10dConf:
     try:
         return msgspec.convert(read, C10dConf, strict=False)  # "5" is 5, "true" is True
     except msgspec.ValidationError as e:
-        raise OptionsError("rdzv_conf", str(e)) from None
+        message, names = _located(e)
+        raise OptionsError("rdzv_conf", ": ".join([*names, message])) from None
 
 
 def _etcd_conf(options: RunOptions) -> dict[str, float]:
@@ -358,9 +370,8 @@ _OPTION_OF = {
 
 def _spec_error(error: msgspec.ValidationError) -> ValueError:
     """A GroupSpec's complaint about one of its fields, as the option's."""
-    message, at, path = str(error).partition(" - at `$.")
-    names = [part.split("[")[0] for part in path.rstrip("`").split(".")]
-    if not at or names == ["rendezvous"]:  # a rule across fields: the message names them
+    message, names = _located(error)
+    if names in ([], ["rendezvous"]):  # a rule across fields: the message names them
         return ValueError(message)
     name = names[-1] if names[0] == "rendezvous" else names[0]
     return OptionsError(_OPTION_OF.get(name, name), message)
@@ -377,8 +388,8 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
     filters = options.duplicate_stdout_filters or options.duplicate_stderr_filters
     writes_files = options.redirects != "0" or options.tee != "0" or filters
     log_dir = options.log_dir
-    if log_dir is None and writes_files and logs_specs is None:
-        log_dir = host.make_log_dir()  # torch's default does so too
+    if logs_specs is None and (log_dir is not None or writes_files):
+        log_dir = host.make_log_dir(log_dir, options.run_id)  # a LogsSpecs makes its own
     shutdown_timeout = options.shutdown_timeout
     if shutdown_timeout is None:
         shutdown_timeout = default_shutdown_timeout(host.environ)
@@ -427,7 +438,7 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
 
 def daemon_config(options: RunOptions, config: Config) -> Config:
     """``config`` with what ``options`` ask of the run's daemon laid over it, checked
-    as a config file's keys are (ConfigError names the key)."""
+    as a config file's keys are (OptionsError names the option)."""
     given: dict[str, object] = {
         key: value
         for key, value in (
@@ -443,4 +454,10 @@ def daemon_config(options: RunOptions, config: Config) -> Config:
         given["event_log_handler"] = options.event_log_handler
     if options.faults or options.fault_injection:  # the operator's consent to drills
         given["fault_injection"] = True
-    return override(config, "run options", **given) if given else config
+    try:
+        return override(config, _OVERRIDES, **given) if given else config
+    except ConfigError as e:  # "run options: KEY: why", and each key here is the option's name
+        key, _, message = str(e).removeprefix(f"{_OVERRIDES}: ").partition(": ")
+        if key in given:
+            raise OptionsError(key, message) from None
+        raise

@@ -28,6 +28,7 @@ Rules
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -380,7 +381,8 @@ class TimerCore:
             self._ended(dropped, self._clock(), "dropped", handle.uid)
             self._mark_changed()
             self.stats.dropped += len(dropped)
-            self.events.emit(
+            self.events.emit_at(  # routine: every worker that stops holding a timer
+                logging.DEBUG,
                 "timers_dropped",
                 reason="process exited",
                 pid=handle.pid,
