@@ -446,12 +446,12 @@ def _launch(
         state = outcome.state.value
         raise LaunchError(f"{received} received, passed to the workers; group {state}")
     if not succeeded:
-        failure = runner.last_failure
+        failure = runner.failures.last
         reason = failure.reason if failure is not None else None
-        failures = list(runner.attempt_failures.values())
+        failures = list(runner.failures.attempt.values())
         if not runner.progress.exhausted:
             return Result(name, outcome.state, {}, failures, reason)
-        no_progress = "\n  ".join(runner.no_progress_report())
+        no_progress = "\n  ".join(runner.failures.no_progress_report())
         return Result(name, outcome.state, {}, failures, reason, no_progress)
     values: dict[int, Any] = {}
     for worker in runner.workers.values():

@@ -144,8 +144,8 @@ async def test_inject_over_the_socket_only_where_enabled_and_for_operators(
         await wait_for(lambda: runner.state is GroupState.FAILED, 30)
     assert done.returncode == 0 and "kill injected into rank 1 of train" in done.stdout
     assert elsewhere.returncode == 1 and "rank 7 does not run on this node" in elsewhere.stderr
-    assert runner.last_failure is not None
-    assert runner.last_failure.reason == "killed by SIGKILL (injected fault: kill)"
+    assert runner.failures.last is not None
+    assert runner.failures.last.reason == "killed by SIGKILL (injected fault: kill)"
 
 
 @pytest.mark.anyio

@@ -86,7 +86,7 @@ async def test_memory_held_by_the_last_attempt_delays_the_next_until_released(
         daemon.supervisor.hardware = gpus
         runner = daemon.supervisor.submit(spec(tmp_path))
         await wait_for(lambda: runner.finished.is_set(), timeout=30)
-    assert runner.state is GroupState.SUCCEEDED, runner.last_failure
+    assert runner.state is GroupState.SUCCEEDED, runner.failures.last
     assert gpus.first_asked is not None and gpus.released_at is not None
     restarted = float((tmp_path / "start-1").read_text())
     assert restarted >= gpus.released_at >= gpus.first_asked + 1.5
@@ -105,7 +105,7 @@ async def test_a_holder_that_never_lets_go_is_named_and_the_restart_goes_on_afte
         daemon.supervisor.hardware = gpus
         runner = daemon.supervisor.submit(spec(tmp_path, gpu_release_timeout=1.0))
         await wait_for(lambda: runner.finished.is_set(), timeout=30)
-    assert runner.state is GroupState.SUCCEEDED, runner.last_failure
+    assert runner.state is GroupState.SUCCEEDED, runner.failures.last
     assert gpus.first_asked is not None
     assert float((tmp_path / "start-1").read_text()) >= gpus.first_asked + 1.0
     pid = int((tmp_path / "pid").read_text())
@@ -123,13 +123,13 @@ async def test_no_wait_when_turned_off_or_without_nvml(short_dir: Path, tmp_path
         daemon.supervisor.hardware = gpus
         runner = daemon.supervisor.submit(spec(tmp_path, gpu_release_timeout=0))
         await wait_for(lambda: runner.finished.is_set(), timeout=30)
-        assert runner.state is GroupState.SUCCEEDED, runner.last_failure
+        assert runner.state is GroupState.SUCCEEDED, runner.failures.last
         assert gpus.first_asked is None  # never asked
         # The real port on this machine, which has no NVML: asked, no wait, no event.
         daemon.supervisor.hardware = NodeHardware()
         runner = daemon.supervisor.submit(spec(tmp_path, name="real"))
         await wait_for(lambda: runner.finished.is_set(), timeout=30)
-    assert runner.state is GroupState.SUCCEEDED, runner.last_failure
+    assert runner.state is GroupState.SUCCEEDED, runner.failures.last
     names = {e.name for e in daemon.events.since()}
     assert not names & {"gpu_memory_held", "gpu_memory_released"}
     assert gpu_holders()[1] is not None  # this machine's NVML says why it cannot answer

@@ -74,8 +74,8 @@ async def test_a_learned_deadline_is_resolved_on_arm_and_kills_a_hang_early(
         table = await anyio.to_thread.run_sync(
             lambda: subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True)
         )
-    assert runner.last_failure is not None
-    assert "timer 'step' expired" in runner.last_failure.reason
+    assert runner.failures.last is not None
+    assert "timer 'step' expired" in runner.failures.last.reason
     (step,) = [s for s in listing.scopes if s.scope == "step"]
     assert step.deadline_source == "learned"
     assert step.deadline_s == pytest.approx(0.4, rel=0.25)  # margin 2 x the 0.2 s steps

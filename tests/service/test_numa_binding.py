@@ -63,7 +63,7 @@ async def test_each_worker_starts_bound_to_its_gpus_node(
         daemon.supervisor.hardware = NodeHardware(sysfs=sysfs, gpus=lambda: devices)
         runner = daemon.supervisor.submit(spec)
         await wait_for(lambda: runner.finished.is_set())
-        assert runner.state is GroupState.SUCCEEDED, runner.last_failure
+        assert runner.state is GroupState.SUCCEEDED, runner.failures.last
     assert (out / "0").read_text() == str(first)
     assert (out / "1").read_text() == str(second)
     assert os.sched_getaffinity(0) == before  # the launcher's own thread is unbound again
@@ -83,8 +83,8 @@ async def test_a_binding_that_cannot_be_applied_fails_the_group_naming_the_rank(
         runner = daemon.supervisor.submit(spec)
         await wait_for(lambda: runner.finished.is_set())
     assert runner.state is GroupState.FAILED
-    assert runner.last_failure is not None
-    assert runner.last_failure.reason == (
+    assert runner.failures.last is not None
+    assert runner.failures.last.reason == (
         "group unbound: numa binding 'node': local rank 1 has no GPU "
         "(1 visible to the group); the group's GPUs: CUDA_VISIBLE_DEVICES=0,1"
     )

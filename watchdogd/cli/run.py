@@ -347,7 +347,7 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
         f"after {info.attempt + 1} attempt(s), {runner.machine.restarts_used} restart(s)"
     ]
     if runner.progress.exhausted:
-        lines += [f"  {line}" for line in runner.no_progress_report()]
+        lines += [f"  {line}" for line in runner.failures.no_progress_report()]
     failure = info.last_failure
     if failure is not None and failure.rank < 0:  # the group itself: no worker to name
         lines.append(f"  {failure.reason}")

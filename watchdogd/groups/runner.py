@@ -30,7 +30,6 @@ import signal
 import socket
 import tempfile
 import time
-from collections import Counter, deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,12 +54,13 @@ from watchdogd.core.group_machine import (
     WorkerStuck,
 )
 from watchdogd.core.ports import EventSink, GroupError, Hardware, StragglerShare
-from watchdogd.core.progress import EXIT_NO_PROGRESS, StepProgress
+from watchdogd.core.progress import StepProgress
 from watchdogd.core.quarantine import NodeFault, node_fault
 from watchdogd.core.rdzv_state import Change, RendezvousError, RendezvousGracefulExitError
 from watchdogd.core.workerenv import Placement, gpu_assignment
 from watchdogd.groups.attempt import AttemptLauncher
 from watchdogd.groups.containment import AttemptCells, Containment
+from watchdogd.groups.failures import AttemptFailures
 from watchdogd.groups.faults import FaultInjector, RankProcess
 from watchdogd.groups.features import (
     CpuBinding,
@@ -81,12 +81,10 @@ from watchdogd.groups.workers import (
     Worker,
     WorkerIndex,
     describe_exit,
-    read_error_file,
     visible_gpus,
 )
 from watchdogd_client.events import RdzvEvent
 from watchdogd_client.groups import (
-    Failure,
     Fault,
     GroupInfo,
     GroupSpec,
@@ -147,12 +145,9 @@ class GroupRunner:
         workers.track(spec.name, self.progress)
         self.workers: dict[int, Worker] = {}
         """The latest attempt's, in start order."""
-        self.last_failure: Failure | None = None
-        self.attempt_failures: dict[int, Failure] = {}
-        """The workers of the latest attempt that failed on their own, by local rank."""
-        self.first_failures: deque[Failure] = deque(maxlen=spec.max_no_progress_restarts + 1)
-        """The first failure of each of the latest attempts that had one (the summary of a
-        run without progress counts them)."""
+        self.failures = AttemptFailures(
+            self.progress, socket.gethostname(), spec.max_no_progress_restarts + 1
+        )
         self.started_at = time.time()
         self.oom_kills = 0
         """Processes of its workers' cells the OOM killer ended, over all attempts."""
@@ -291,7 +286,7 @@ class GroupRunner:
                 )
                 for w in self.workers.values()
             ],
-            last_failure=self.last_failure,
+            last_failure=self.failures.last,
             rendezvous=self._rendezvous_info(),
             spares=[info for feature in self.features for info in feature.spare_infos()],
             started_at=self.started_at,
@@ -352,9 +347,7 @@ class GroupRunner:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     async def _cannot_run(self, reason: str, *, exitcode: int) -> GroupState:
-        self.last_failure = Failure(
-            local_rank=-1, rank=-1, pid=0, exitcode=exitcode, reason=reason, timestamp=time.time()
-        )
+        self.failures.group_failed(reason, exitcode)
         await self._apply(self.machine.error(reason))
         return GroupState.FAILED
 
@@ -447,7 +440,7 @@ class GroupRunner:
                             "no_progress",
                             group=self.spec.name,
                             attempts=self.progress.streak,
-                            causes="; ".join(self.no_progress_report()[1:]),
+                            causes="; ".join(self.failures.no_progress_report()[1:]),
                         )
         return final
 
@@ -467,7 +460,7 @@ class GroupRunner:
                 for feature in self.features:
                     await feature.prepare()
                 self.workers = {}  # the last attempt's are all gone: none shown while nodes meet
-                self.attempt_failures = {}
+                self.failures.new_attempt()
                 waiting_since = time.monotonic()
                 placement, restart_count = await self.rendezvous.next_round(restart_count)
         finally:
@@ -521,9 +514,9 @@ class GroupRunner:
             "worker_failed" if failed else "worker_exited",
             **worker.about,
             exitcode=exitcode,
-            reason=self.last_failure.reason if failed and self.last_failure else None,
+            reason=self.failures.last.reason if failed and self.failures.last else None,
             total_run_time=round(time.time() - worker.started, 3),
-            raw_error=self.last_failure.error_message if failed and self.last_failure else None,
+            raw_error=self.failures.last.error_message if failed and self.failures.last else None,
             oom_kills=oom_kills,
             memory_peak_bytes=memory.peak_bytes if memory is not None else None,
         )
@@ -536,39 +529,9 @@ class GroupRunner:
         oom_kills: int = 0,
         fault: NodeFault | None = None,
     ) -> None:
-        first = not self.attempt_failures
-        self.last_failure = self.attempt_failures[worker.local_rank] = Failure(
-            local_rank=worker.local_rank,
-            rank=worker.rank,
-            pid=worker.pid,
-            exitcode=exitcode,
-            reason=reason,
-            error_file=worker.error_file,
-            error_message=read_error_file(worker.error_file),
-            oom_kills=oom_kills,
-            timestamp=time.time(),
-        )
-        if first:
-            self.first_failures.append(self.last_failure)
-            if self.quarantine is not None:
-                self.quarantine.first_failure(f"rank {worker.rank}: {reason}", fault)
-
-    def no_progress_report(self) -> list[str]:
-        """Why a run that ended for lack of progress must not be requeued: what counted as
-        a step, then each rank's failure on this node and in how many of the attempts
-        without progress, the most frequent first."""
-        streak = self.progress.streak
-        lines = [
-            f"do not requeue (exit {EXIT_NO_PROGRESS}): {streak} failed attempts in a row "
-            f"made no progress ({self.progress.describe()})"
-        ]
-        recent = list(self.first_failures)[-streak:] if streak else []
-        causes = Counter((f.rank, f.error_message or f.reason) for f in recent)
-        node = self.launcher.hostname
-        return lines + [
-            f"rank {rank} on {node}: {what} ({count} of {streak} attempts)"
-            for (rank, what), count in causes.most_common()
-        ]
+        first = self.failures.record(worker, exitcode, reason, oom_kills)
+        if first and self.quarantine is not None:
+            self.quarantine.first_failure(f"rank {worker.rank}: {reason}", fault)
 
     async def _kill_everything(self) -> None:
         """On the way out: no worker survives, no output is lost; the last started goes first."""

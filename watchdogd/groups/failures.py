@@ -1,0 +1,75 @@
+"""A group's failures: the latest attempt's, the last one, the first of each recent attempt.
+
+The runner records a worker that failed on its own (an exit, a timer's kill,
+D state) here. The latest attempt's failures, by local rank, make torch's
+``ChildFailedError``; the last one is the group's ``last_failure``; the first
+failure of each of the latest attempts makes the summary of a run that ended
+for lack of progress (:meth:`AttemptFailures.no_progress_report`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+
+from watchdogd.core.progress import EXIT_NO_PROGRESS, StepProgress
+from watchdogd.groups.workers import Worker, read_error_file
+from watchdogd_client.groups import Failure
+
+__all__ = ["AttemptFailures"]
+
+
+class AttemptFailures:
+    def __init__(self, progress: StepProgress, node: str, keep: int) -> None:
+        """``node``: this node's name in the summary; ``keep``: how many attempts' first
+        failures a summary may need (the no-progress limit, plus one)."""
+        self.progress = progress
+        self.node = node
+        self.last: Failure | None = None
+        self.attempt: dict[int, Failure] = {}
+        """The workers of the latest attempt that failed on their own, by local rank."""
+        self.firsts: deque[Failure] = deque(maxlen=keep)
+        """The first failure of each of the latest attempts that had one."""
+
+    def new_attempt(self) -> None:
+        self.attempt = {}
+
+    def record(self, worker: Worker, exitcode: int, reason: str, oom_kills: int = 0) -> bool:
+        """Record ``worker``'s failure; whether it is the first of its attempt."""
+        first = not self.attempt
+        self.last = self.attempt[worker.local_rank] = Failure(
+            local_rank=worker.local_rank,
+            rank=worker.rank,
+            pid=worker.pid,
+            exitcode=exitcode,
+            reason=reason,
+            error_file=worker.error_file,
+            error_message=read_error_file(worker.error_file),
+            oom_kills=oom_kills,
+            timestamp=time.time(),
+        )
+        if first:
+            self.firsts.append(self.last)
+        return first
+
+    def group_failed(self, reason: str, exitcode: int) -> None:
+        """The group itself could not run: no worker to name."""
+        self.last = Failure(
+            local_rank=-1, rank=-1, pid=0, exitcode=exitcode, reason=reason, timestamp=time.time()
+        )
+
+    def no_progress_report(self) -> list[str]:
+        """Why a run that ended for lack of progress must not be requeued: what counted as
+        a step, then each rank's failure on this node and in how many of the attempts
+        without progress, the most frequent first."""
+        streak = self.progress.streak
+        lines = [
+            f"do not requeue (exit {EXIT_NO_PROGRESS}): {streak} failed attempts in a row "
+            f"made no progress ({self.progress.describe()})"
+        ]
+        recent = list(self.firsts)[-streak:] if streak else []
+        causes = Counter((f.rank, f.error_message or f.reason) for f in recent)
+        return lines + [
+            f"rank {rank} on {self.node}: {what} ({count} of {streak} attempts)"
+            for (rank, what), count in causes.most_common()
+        ]
