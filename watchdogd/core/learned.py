@@ -19,7 +19,10 @@ Rules
 - On arm, while the current attempt has fewer than ``samples`` samples of
   the scope: the call's initial deadline, else the rule's ``initial``;
   with neither the arm is refused. Then ``max(floor, margin * decayed
-  maximum)``.
+  maximum)``. A restart within a run keeps what an earlier attempt of the
+  run learned: a rank that released its first ``skip`` of the new attempt
+  (compilation, NCCL set-up again) is judged by the learned deadline at
+  once, not by ``initial`` for ``samples`` more releases.
 - A learner lives for one run of its group: a new run of that name starts
   afresh (seeded only by what a ``job_key`` saved), and the learners of a
   run that ended stop counting against the cap (the last
@@ -127,7 +130,8 @@ class Learner:
         self.samples = 0
         self.decayed_max = 0.0
         self.learned = False
-        """Some attempt reached the rule's samples: worth saving."""
+        """Some attempt of this run reached the rule's samples: worth saving, and kept
+        across its restarts."""
         self.seeded = False
         self.set_rule(rule)
 
@@ -155,10 +159,10 @@ class Learner:
         if self.in_attempt >= self.rule.samples:
             self.learned = True
 
-    def resolve(self, call_initial: bool) -> Resolution | None:
-        """The deadline of an arm now; None when there is none (refuse the arm)."""
+    def resolve(self, call_initial: bool, rank: int | None = None) -> Resolution | None:
+        """The deadline of ``rank``'s arm now; None when there is none (refuse the arm)."""
         rule = self.rule
-        if self.in_attempt < rule.samples:
+        if self.in_attempt < rule.samples and not self._relearning(rank):
             if call_initial:
                 return Resolution(None, "initial (call)")
             if rule.initial is not None:
@@ -167,7 +171,13 @@ class Learner:
         learned = rule.margin * self.decayed_max
         if learned < rule.floor:
             return Resolution(rule.floor, "floor")
+        if self.in_attempt < rule.samples:
+            return Resolution(learned, "learned (an earlier attempt)")
         return Resolution(learned, "learned, seeded" if self.seeded else "learned")
+
+    def _relearning(self, rank: int | None) -> bool:
+        """A restarted attempt, ``rank`` past its first ``skip``: the run's deadline holds."""
+        return self.learned and rank is not None and self.skipped.get(rank, 0) >= self.rule.skip
 
 
 class LearnedDeadlines:
@@ -205,8 +215,10 @@ class LearnedDeadlines:
         call_initial: bool,
         group_rules: Sequence[DeadlineRule] = (),
         job_key: str | None = None,
+        rank: int | None = None,
     ) -> Resolution | str:
-        """The deadline of a ``LEARN`` arm of ``key``, or why it is refused."""
+        """The deadline of a ``LEARN`` arm of ``key`` by ``rank`` (a group's worker's), or
+        why it is refused."""
         learner = self.learners.get(key)
         if learner is None:
             if self._by_uid.get(uid, 0) >= self.per_uid:
@@ -219,7 +231,7 @@ class LearnedDeadlines:
                 )
             learner = self._create(key, uid, group_rules, job_key)
         learner.enter(attempt)
-        resolution = learner.resolve(call_initial)
+        resolution = learner.resolve(call_initial, rank)
         if resolution is None:
             rule = learner.rule
             return (
@@ -314,6 +326,6 @@ class LearnedDeadlines:
         if learner is None:
             return None
         rule = learner.rule
-        if learner.in_attempt < rule.samples:
+        if learner.in_attempt < rule.samples and not learner.learned:
             return Resolution(rule.initial, f"learning ({learner.in_attempt} of {rule.samples})")
-        return learner.resolve(call_initial=False)
+        return learner.resolve(call_initial=False, rank=next(iter(learner.skipped), None))

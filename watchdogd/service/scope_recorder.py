@@ -120,9 +120,9 @@ class ScopeRecorder:
         """The expiration time of a ``LEARN`` arm, or why there is none."""
         worker = self.supervision.worker(pid)
         rules: Sequence[DeadlineRule] = ()
-        job, attempt, job_key = "", 0, None
+        job, attempt, job_key, rank = "", 0, None, None
         if worker is not None:
-            job, attempt, job_key = worker.group, worker.attempt, worker.job_key
+            job, attempt, job_key, rank = worker.group, worker.attempt, worker.job_key, worker.rank
             rules = worker.deadlines
         outcome = self.learned.resolve(
             LearnKey.of(job, pid, scope_id),
@@ -131,6 +131,7 @@ class ScopeRecorder:
             call_initial=expiration_time != math.inf,
             group_rules=rules,
             job_key=job_key,
+            rank=rank,
         )
         if self.learned.to_load:
             self._load_wanted.set()
