@@ -663,8 +663,9 @@ def save(run: Run, faults: list[Fault], launched: float, first: float) -> None:
     (run.out / "bench_state.json").write_text(json.dumps(state))
 
 
-def analyse_kept(work: Path) -> list[dict[str, Any]]:
-    results = []
+def analyse_kept(work: Path) -> tuple[list[dict[str, Any]], Settings | None]:
+    """The results of a kept run, and its settings (the last launcher's)."""
+    results, settings = list[dict[str, Any]](), None
     for launcher in LAUNCHERS:
         path = work / launcher / "bench_state.json"
         if not path.exists():
@@ -677,7 +678,7 @@ def analyse_kept(work: Path) -> list[dict[str, Any]]:
         run.read_lines()
         faults = [Fault(**f) for f in state["faults"]]
         results.append(analyse(run, faults, state["launched"], state["first"]))
-    return results
+    return results, settings
 
 
 def keep_alive(text: str) -> tuple[int, int]:
@@ -736,8 +737,8 @@ def main() -> int:
         args.torch_timeout, args.mb, args.step_ms, nvrx_dir, args.standby, args.watchdogd_rdzv,
     )  # fmt: skip
     if args.analyse:
-        results = analyse_kept(Path(args.analyse))
-        report(results, Settings(**{**asdict(settings), **{"duration": results[0]["duration_s"]}}))
+        results, kept = analyse_kept(Path(args.analyse))
+        report(results, kept or settings)
         return 0
     launchers = args.launchers.split(",")
     if "nvrx" in launchers and not (nvrx_dir / "site" / "bin" / "ft_launcher").exists():
