@@ -76,6 +76,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.etcd import find_etcd, running_etcd  # noqa: E402  (the suite's choice of binary)
+from watchdogd.linux.cgroups import v2_mount  # noqa: E402
 
 TRAINER = Path(__file__).with_name("_goodput_trainer.py")
 KINDS = ("crash", "hang", "node", "slow")
@@ -168,6 +169,57 @@ class Agent:
     killed: float | None = None
 
 
+@contextlib.contextmanager
+def agents_cgroup() -> Iterator[Path | None]:
+    """A cgroup v2 of the bench's own for watchdogd's agents (None where v2 cannot be written).
+
+    A daemon ends the job cgroups beside its own whose owner it cannot see, and
+    one started in another pid namespace (a test's ``watchdogd serve``, on this
+    shared machine) sees no owner of ours: every worker and spare of a run was
+    killed at once, and their cgroups removed. Below a cgroup of their own no
+    other daemon's sweep reaches them; the agents share it, so a lost node's
+    replacement still ends what the lost one left, as on one machine. Left
+    over at the end: :func:`end_cgroup`.
+    """
+    mount = v2_mount(Path("/proc/self/mountinfo").read_text())
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    own = next((line[3:] for line in lines if line.startswith("0::")), None)
+    path = Path(f"{mount}{(own or '').rstrip('/')}/wdb-goodput-{os.getpid()}")
+    try:
+        if mount is None or own is None:
+            raise OSError("no cgroup v2")
+        path.mkdir()
+    except OSError:
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        end_cgroup(path)
+
+
+def end_cgroup(path: Path) -> None:
+    """Kill what is left in ``path``, then remove it and every cgroup below, deepest first."""
+    (path / "cgroup.kill").write_text("1")
+    deadline = time.monotonic() + 10
+    while "populated 1" in (path / "cgroup.events").read_text():
+        if time.monotonic() > deadline:
+            log(f"{path} still has processes; left in place")
+            return
+        time.sleep(0.05)
+    for directory, _, _ in os.walk(path, topdown=False):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+def placed(cgroup: Path | None, command: list[str]) -> list[str]:
+    """``command`` run in ``cgroup``: its shell joins it, then execs it (same pid)."""
+    if cgroup is None:
+        return command
+    join = 'echo $$ > "$1" && shift && exec "$@"'
+    return ["sh", "-c", join, "sh", str(cgroup / "cgroup.procs"), *command]
+
+
 # -- one launcher's run ----------------------------------------------------------
 
 
@@ -191,8 +243,16 @@ class Settings:
 class Run:
     """One launcher: its agents, the injector, the watcher of worker deaths."""
 
-    def __init__(self, launcher: str, settings: Settings, work: Path, endpoint: str) -> None:
+    def __init__(
+        self,
+        launcher: str,
+        settings: Settings,
+        work: Path,
+        endpoint: str,
+        cgroup: Path | None = None,
+    ) -> None:
         self.launcher, self.settings, self.work, self.endpoint = launcher, settings, work, endpoint
+        self.cgroup = cgroup  # the agents', watchdogd only (agents_cgroup)
         self.out = work / launcher
         (self.out / "flags").mkdir(parents=True, exist_ok=True)
         self.agents: list[Agent] = []
@@ -232,7 +292,7 @@ class Run:
             command = [watchdogd, "run", *rdzv, *common]
             command += ["--prewarm", "torch", "--deadline", "step:initial=600,samples=200"]
             command += ["--event-log", str(self.out / f"events-{name}.jsonl")]
-            return [*command, *trainer], env
+            return placed(self.cgroup, [*command, *trainer]), env
         if self.launcher == "torchrun":
             command = [sys.executable, "-m", "torch.distributed.run", *common, *c10d]
             return [*command, *trainer, "--pg-timeout", str(s.torch_timeout)], env
@@ -603,8 +663,9 @@ def save(run: Run, faults: list[Fault], launched: float, first: float) -> None:
     (run.out / "bench_state.json").write_text(json.dumps(state))
 
 
-def analyse_kept(work: Path) -> list[dict[str, Any]]:
-    results = []
+def analyse_kept(work: Path) -> tuple[list[dict[str, Any]], Settings | None]:
+    """The results of a kept run, and its settings (the last launcher's)."""
+    results, settings = list[dict[str, Any]](), None
     for launcher in LAUNCHERS:
         path = work / launcher / "bench_state.json"
         if not path.exists():
@@ -617,7 +678,7 @@ def analyse_kept(work: Path) -> list[dict[str, Any]]:
         run.read_lines()
         faults = [Fault(**f) for f in state["faults"]]
         results.append(analyse(run, faults, state["launched"], state["first"]))
-    return results
+    return results, settings
 
 
 def keep_alive(text: str) -> tuple[int, int]:
@@ -676,8 +737,8 @@ def main() -> int:
         args.torch_timeout, args.mb, args.step_ms, nvrx_dir, args.standby, args.watchdogd_rdzv,
     )  # fmt: skip
     if args.analyse:
-        results = analyse_kept(Path(args.analyse))
-        report(results, Settings(**{**asdict(settings), **{"duration": results[0]["duration_s"]}}))
+        results, kept = analyse_kept(Path(args.analyse))
+        report(results, kept or settings)
         return 0
     launchers = args.launchers.split(",")
     if "nvrx" in launchers and not (nvrx_dir / "site" / "bin" / "ft_launcher").exists():
@@ -695,7 +756,8 @@ def main() -> int:
                     endpoint = stack.enter_context(running_etcd(binary)).endpoint
                 else:
                     endpoint = stack.enter_context(c10d_store())
-                run = Run(launcher, settings, work, endpoint)
+                cgroup = stack.enter_context(agents_cgroup()) if launcher == "watchdogd" else None
+                run = Run(launcher, settings, work, endpoint, cgroup)
                 launched, first = run.run(faults)
             save(run, faults, launched, first)
             results.append(analyse(run, faults, launched, first))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -53,3 +58,19 @@ def test_a_crash_loses_the_gap_in_progress_and_its_recomputed_steps(tmp_path: Pa
     assert abs(loss["lost_s"] - (5.2 - 2.52 - 0.1)) < 1e-6
     assert abs(loss["phases"]["checkpoint_reload"] - 0.1) < 1e-6
     assert abs(loss["phases"]["recompute"] - 0.5) < 1e-6
+
+
+def test_watchdogds_agents_run_in_a_cgroup_of_their_own_ended_with_the_run() -> None:
+    """Out of reach of another daemon's sweep of the cgroups beside its own."""
+    with bench.agents_cgroup() as cgroup:
+        if cgroup is None:
+            pytest.skip("no writable cgroup v2 here")
+        proc = subprocess.Popen(bench.placed(cgroup, ["sleep", "60"]))
+        cmdline, deadline = Path(f"/proc/{proc.pid}/cmdline"), time.monotonic() + 5
+        while cmdline.read_bytes().split(b"\0")[0] != b"sleep":  # the same pid, exec'd
+            assert time.monotonic() < deadline, "the command never ran"
+            time.sleep(0.01)
+        assert str(proc.pid) in (cgroup / "cgroup.procs").read_text().split()
+        (cgroup / "job" / "cell").mkdir(parents=True)  # a daemon's job cgroup, left over
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+    assert not cgroup.exists()
