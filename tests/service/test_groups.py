@@ -19,7 +19,7 @@ import watchdogd_client as wd
 from watchdogd.groups.child import ChildProcess
 from watchdogd_client.groups import GroupSpec, GroupState
 
-from ..conftest import REPO, running_daemon, wait_for, wait_until
+from ..conftest import REPO, run_log_dir, running_daemon, wait_for, wait_until
 from ..conftest import watchdogd_run as run
 
 TRAINER = str(REPO / "examples/trainer.py")
@@ -150,7 +150,11 @@ def test_env_contract_for_every_rank(tmp_path: Path) -> None:
         assert env["TORCHELASTIC_RUN_ID"] == "job7"
         assert (env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) == ("0", "4")
         assert env["TORCHELASTIC_ERROR_FILE"] == str(
-            tmp_path / "logs" / "trainer" / "attempt_0" / str(local_rank) / "error.json"
+            run_log_dir(tmp_path / "logs")
+            / "trainer"
+            / "attempt_0"
+            / str(local_rank)
+            / "error.json"
         )
         assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
@@ -205,7 +209,7 @@ def test_logs_per_attempt_and_rank_with_tee_prefix_and_no_lost_lines(tmp_path: P
     assert out.returncode == 0, out.stderr
     for attempt in (0, 1):
         for rank in (0, 1):
-            rank_dir = logs / "default" / f"attempt_{attempt}" / str(rank)
+            rank_dir = run_log_dir(logs) / "default" / f"attempt_{attempt}" / str(rank)
             stdout = (rank_dir / "stdout.log").read_text()
             assert stdout.count("\n") == 5000 and stdout.endswith("no newline at exit")
             assert (rank_dir / "stderr.log").read_text() == "to stderr\n"

@@ -27,7 +27,7 @@ from watchdogd.service.metrics import LoopMonitor, Metrics
 from watchdogd.service.stats import Stats
 from watchdogd_client.groups import GroupInfo, GroupState, RendezvousInfo, SpareInfo
 
-from ..conftest import python, running_daemon, wait_for, wait_until
+from ..conftest import python, run_log_dir, running_daemon, wait_for, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -143,7 +143,7 @@ def test_duplicate_filters_copy_matching_lines_per_rank(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     for rank in (0, 1):
-        rank_dir = logs / "default" / "attempt_0" / str(rank)
+        rank_dir = run_log_dir(logs) / "default" / "attempt_0" / str(rank)
         filtered = (rank_dir / "filtered_stdout.log").read_text().splitlines()
         assert filtered == [f"step {i} NCCL WARN timeout" for i in range(0, 100, 10)]
         assert len((rank_dir / "stdout.log").read_text().splitlines()) == 100

@@ -204,6 +204,7 @@ def test_without_torch_the_error_names_the_ways_out(tmp_path: Path) -> None:
             *WATCHDOGD,
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{free_port('127.0.0.1')}",
+            "--no-python",
             "true",
         ],
         capture_output=True,
@@ -218,7 +219,7 @@ def test_without_torch_the_error_names_the_ways_out(tmp_path: Path) -> None:
 
 def test_a_bad_rdzv_conf_value_is_a_usage_error_naming_the_key() -> None:
     out = subprocess.run(
-        [*WATCHDOGD, "--rdzv-backend=c10d", "--rdzv-conf=join_timeout=soon", "true"],
+        [*WATCHDOGD, "--rdzv-backend=c10d", "--rdzv-conf=join_timeout=soon", "--no-python", "true"],
         capture_output=True,
         text=True,
         timeout=30,
