@@ -245,14 +245,17 @@ def test_watchdogctl_status_says_how_workers_are_contained(tmp_path: Path, mode:
         assert "weaker: sessions and /proc, no cgroup (process_containment = session)" in line
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["setpriv", "python-shim"])
-def test_the_shim_asks_for_the_parent_death_signal_then_runs_the_program(
-    native: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if native and enter_cell._SETPRIV is None:
+@pytest.fixture(params=[True, False], ids=["setpriv", "python-shim"])
+def shim(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each shim: the native one (``setpriv`` and ``sh``), and the Python one."""
+    if request.param and enter_cell._SETPRIV is None:
         pytest.skip("no setpriv (util-linux) on this machine: the Python shim serves")
-    if not native:
+    if not request.param:
         monkeypatch.setattr(enter_cell, "_SETPRIV", None)
+
+
+@pytest.mark.usefixtures("shim")
+def test_the_shim_asks_for_the_parent_death_signal_then_runs_the_program() -> None:
     probe = (
         "import ctypes; v = ctypes.c_int(); "
         "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
@@ -266,16 +269,10 @@ def test_the_shim_asks_for_the_parent_death_signal_then_runs_the_program(
     assert (out.returncode, out.stdout.strip()) == (0, str(signal.SIGKILL)), out.stderr
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["setpriv", "python-shim"])
-def test_the_shim_runs_nothing_once_its_parent_is_another(
-    native: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("shim")
+def test_the_shim_runs_nothing_once_its_parent_is_another() -> None:
     # As if the daemon died before the shim asked for the signal: another parent (a
     # shell in between here) has it, and the program never runs.
-    if native and enter_cell._SETPRIV is None:
-        pytest.skip("no setpriv (util-linux) on this machine: the Python shim serves")
-    if not native:
-        monkeypatch.setattr(enter_cell, "_SETPRIV", None)
     shim = enter_cell.shim_command((), [sys.executable, "-c", "print('ran')"])
     out = subprocess.run(
         ["/bin/sh", "-c", '"$@"; exit $?', "sh", *shim], capture_output=True, text=True, timeout=30

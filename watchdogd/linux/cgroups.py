@@ -471,18 +471,24 @@ def owner_gone(name: str) -> int | None:
     return int(match[1])
 
 
-def sweep_stale() -> list[Stale]:
-    """Kill and remove the job cgroups beside ours whose owner is gone (none if no v2)."""
+def stale_jobs(where: Callable[[], Path]) -> list[tuple[Path, int]]:
+    """The job cgroups in ``where()`` whose owner is gone, with the owner's pid (none if
+    ``where`` cannot be read)."""
     try:
-        base = _base()
-        entries = list(base.iterdir())
+        entries = list(where().iterdir())
     except OSError:
         return []
+    return [
+        (entry, owner)
+        for entry in entries
+        if (owner := owner_gone(entry.name)) is not None and entry.is_dir()
+    ]
+
+
+def sweep_stale() -> list[Stale]:
+    """Kill and remove the job cgroups beside ours whose owner is gone (none if no v2)."""
     found = []
-    for entry in entries:
-        owner = owner_gone(entry.name)
-        if owner is None:
-            continue
+    for entry, owner in stale_jobs(_base):
         pids = members(entry)
         _kill(entry)
         found.append(Stale(str(entry), owner, pids))

@@ -34,7 +34,7 @@ import signal
 from pathlib import Path
 from typing import NamedTuple
 
-from watchdogd.linux.cgroups import Stale, job_name, members, owner_gone
+from watchdogd.linux.cgroups import Stale, job_name, members, stale_jobs
 from watchdogd_client._proc import PinnedProcess
 
 __all__ = [
@@ -218,16 +218,8 @@ def sweep_stale() -> list[Stale]:
     killed their processes); those that still held processes (the session fallback's
     orphans, SIGKILLed here through a pidfd; a job not yet empty waits for the next
     sweep)."""
-    try:
-        base = _own_v1_dir()
-        entries = list(base.iterdir())
-    except OSError:
-        return []
     found = []
-    for entry in entries:
-        owner = owner_gone(entry.name)
-        if owner is None or not entry.is_dir():
-            continue
+    for entry, owner in stale_jobs(_own_v1_dir):
         pids = members(entry)
         for pid in pids:
             with contextlib.suppress(OSError):
