@@ -33,8 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-timeout", type=float, default=10.0, help="expires(after=...)")
     parser.add_argument("--hang-at", type=int, help="hang forever inside this step")
     parser.add_argument("--crash-at", type=int, help="exit 1 at this step")
+    parser.add_argument(
+        "--only-attempt", type=int, help="hang or crash only in this attempt (0: the first)"
+    )
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "0")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.only_attempt is not None and attempt != args.only_attempt:
+        args.hang_at = args.crash_at = None
     for step in range(args.steps):
         with wd.expires(after=args.step_timeout, scope="train_step"):
             if step == args.crash_at:
