@@ -121,25 +121,17 @@ def one_world(reports: list[dict[str, str]], size: int) -> None:
     assert {r["TORCHELASTIC_USE_AGENT_STORE"] for r in reports} == {"True"}
 
 
-def test_two_watchdogd_nodes_form_one_world(tmp_path: Path) -> None:
-    job = Job(tmp_path)
-    a = job.node(WATCHDOGD, "2", 4, "--nproc-per-node=2")
-    b = job.node(WATCHDOGD, "2", 4, "--nproc-per-node=2")
-    codes = finish(a, b)
-    assert codes == [0, 0], [p.stderr.read() if p.stderr else "" for p in (a, b)]
-    seen = job.reports()
-    one_world(seen, 4)
-    assert sorted(r["GROUP_RANK"] for r in seen) == ["0", "0", "1", "1"]
-    assert sorted(r["LOCAL_RANK"] for r in seen) == ["0", "0", "1", "1"]
-
-
-def test_torchrun_and_watchdogd_nodes_share_one_job(tmp_path: Path) -> None:
+def test_torchrun_and_watchdogd_nodes_share_one_world(tmp_path: Path) -> None:
+    # Two of our nodes form one too: the lost-node test below starts with that.
     job = Job(tmp_path)
     theirs = job.node(TORCHRUN, "2", 4, "--nproc-per-node=2")
     ours = job.node(WATCHDOGD, "2", 4, "--nproc-per-node=2")
     codes = finish(theirs, ours)
     assert codes == [0, 0], [p.stderr.read() if p.stderr else "" for p in (theirs, ours)]
-    one_world(job.reports(), 4)
+    seen = job.reports()
+    one_world(seen, 4)
+    assert sorted(r["GROUP_RANK"] for r in seen) == ["0", "0", "1", "1"]
+    assert sorted(r["LOCAL_RANK"] for r in seen) == ["0", "0", "1", "1"]
 
 
 def test_a_lost_node_leaves_the_survivor_to_re_form_alone(tmp_path: Path) -> None:
