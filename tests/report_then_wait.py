@@ -1,16 +1,34 @@
-"""The tail of a worker script that reports, then runs until told to stop.
+"""Pieces of worker scripts that report, then run until told to stop.
 
-Used by the standby tests and ``bench/bench_standby.py``: the script before
-it has set ``out`` (a directory) and ``report`` (a dict) and imported ``json``,
-``os`` and ``time``. The report is written whole (renamed into place) as
-``out/PID.json``, then the worker runs until ``out/done`` exists.
+Used by the standby and quarantine tests and ``bench/bench_standby.py``.
+:data:`ANCESTORS` defines ``ancestors()``, the pids above the worker (a test
+names each agent by its pid). :data:`REPORT` writes ``report`` (a dict) whole
+(renamed into place) as ``out/PID.json``; :data:`REPORT_THEN_WAIT` then runs
+until ``out/done`` exists. The script before them has set ``out`` (a
+directory) and imported ``json``, ``os`` and ``time``.
 """
 
-REPORT_THEN_WAIT = """
+ANCESTORS = """
+def ancestors():
+    pid, found = os.getpid(), []
+    while pid > 1:
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        found.append(pid)
+    return found
+"""
+
+REPORT = """
 path = os.path.join(out, f"{os.getpid()}.json")
 with open(path + ".part", "w") as f:
     json.dump(report, f)
 os.rename(path + ".part", path)
+"""
+
+REPORT_THEN_WAIT = (
+    REPORT
+    + """
 while not os.path.exists(os.path.join(out, "done")):
     time.sleep(0.05)
 """
+)

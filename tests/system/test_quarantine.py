@@ -20,6 +20,7 @@ from typing import Any
 
 from ..conftest import wait_until
 from ..etcd import EtcdServer
+from ..report_then_wait import ANCESTORS, REPORT
 from .test_multinode import _kill_nodes, _socket_of, ctl, finish, node
 from .test_standby import CONF, of, ranks_run, standing_by
 
@@ -27,24 +28,18 @@ __all__ = ["_kill_nodes"]  # the launchers a failed test left are killed after i
 
 # Each rank reports as test_standby's do, then runs until ``done`` exists; a rank told
 # to (``kill-<RANK>``, taken once) kills itself with SIGKILL: a node's failure.
-WORKER = """
+WORKER = (
+    """
 import json, os, signal, sys, time
 out = sys.argv[1]
-
-def ancestors():
-    pid, found = os.getpid(), []
-    while pid > 1:
-        with open(f"/proc/{pid}/stat") as f:
-            pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        found.append(pid)
-    return found
-
+"""
+    + ANCESTORS
+    + """
 report = {k: os.environ[k] for k in ("RANK", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")}
 report.update(started=time.time(), ancestors=ancestors())
-path = os.path.join(out, f"{os.getpid()}.json")
-with open(path + ".part", "w") as f:
-    json.dump(report, f)
-os.rename(path + ".part", path)
+"""
+    + REPORT
+    + """
 kill = os.path.join(out, "kill-" + os.environ["RANK"])
 while not os.path.exists(os.path.join(out, "done")):
     try:
@@ -54,6 +49,7 @@ while not os.path.exists(os.path.join(out, "done")):
     else:
         os.kill(os.getpid(), signal.SIGKILL)
 """
+)
 
 # Every node's first attempt raises, all at once (``go``); the second reports and ends.
 RAISES_FIRST = """

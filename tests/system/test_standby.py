@@ -20,7 +20,7 @@ import pytest
 
 from ..conftest import children, wait_until
 from ..etcd import EtcdServer
-from ..report_then_wait import REPORT_THEN_WAIT
+from ..report_then_wait import ANCESTORS, REPORT_THEN_WAIT
 from .test_multinode import _kill_nodes, _socket_of, ctl, finish, node
 
 __all__ = ["_kill_nodes"]  # the launchers a failed test left are killed after it
@@ -32,15 +32,9 @@ WORKER = (
 import json, os, sys, time
 started = time.time()
 out = sys.argv[1]
-
-def ancestors():
-    pid, found = os.getpid(), []
-    while pid > 1:
-        with open(f"/proc/{pid}/stat") as f:
-            pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        found.append(pid)
-    return found
-
+"""
+    + ANCESTORS
+    + """
 report = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_RANK",
                                      "TORCHELASTIC_RESTART_COUNT")}
 report.update(started=started, ancestors=ancestors())
