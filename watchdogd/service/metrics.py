@@ -182,26 +182,19 @@ class Metrics(Collector):
         )
 
     def _per_group(self) -> Iterator[Metric]:
-        left = GaugeMetricFamily(
-            "watchdogd_group_restarts_left", "Restarts a group has left.", labels=["group"]
-        )
-        round_ = GaugeMetricFamily(
-            "watchdogd_rendezvous_round", "The group's rendezvous round.", labels=["group"]
-        )
-        waiting = GaugeMetricFamily(
+        left = _group_gauge("watchdogd_group_restarts_left", "Restarts a group has left.")
+        round_ = _group_gauge("watchdogd_rendezvous_round", "The group's rendezvous round.")
+        waiting = _group_gauge(
             "watchdogd_rendezvous_waiting_nodes",
             "Nodes waiting to join the group's job (a scale-up restart is coming).",
-            labels=["group"],
         )
-        standby = GaugeMetricFamily(
+        standby = _group_gauge(
             "watchdogd_rendezvous_standby",
             "1 while this node stands by beside a full round, to take a lost node's rank.",
-            labels=["group"],
         )
-        quarantined = GaugeMetricFamily(
+        quarantined = _group_gauge(
             "watchdogd_quarantined",
             "1 while this node is set aside, out of the group's job until an operator clears it.",
-            labels=["group"],
         )
         peak = GaugeMetricFamily(
             "watchdogd_worker_memory_peak_bytes",
@@ -213,16 +206,14 @@ class Metrics(Collector):
             "Processes of a group's workers' cells the kernel's OOM killer ended.",
             labels=["group"],
         )
-        spares_ready = GaugeMetricFamily(
+        spares_ready = _group_gauge(
             "watchdogd_spares_ready",
             "Warm spares ready to take a rank (--prewarm): back to nproc once the pool refilled.",
-            labels=["group"],
         )
-        no_progress = GaugeMetricFamily(
+        no_progress = _group_gauge(
             "watchdogd_group_failed_without_progress",
             "Attempts in a row that failed without a new step (past max_no_progress_restarts "
             "the run ends, not to be requeued).",
-            labels=["group"],
         )
         for info in self.infos():
             left.add_metric([info.name], info.restarts_left)
@@ -344,3 +335,7 @@ class HealthServer:
             if info.rendezvous is not None and info.rendezvous.quarantined is not None:
                 return f"{info.name}: {info.rendezvous.quarantined}"
         return None
+
+
+def _group_gauge(name: str, documentation: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, labels=["group"])
