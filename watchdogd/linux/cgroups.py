@@ -55,7 +55,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -70,6 +70,7 @@ __all__ = [
     "CgroupCell",
     "JobCgroup",
     "Stale",
+    "cell_name",
     "job_base",
     "leave_for_leaf",
     "open_job_cgroup",
@@ -191,6 +192,12 @@ def _remove(path: Path) -> None:
             os.rmdir(directory)
 
 
+def cell_name(name: str, serial: Iterator[int]) -> str:
+    """A cell's directory name: ``name`` made safe, and unique with the next of ``serial``
+    (an ``itertools.count``, safe to draw from any thread)."""
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', name)}.{next(serial)}"
+
+
 def _at_once(write: Callable[[], None]) -> None:
     write()
 
@@ -300,8 +307,7 @@ class JobCgroup:
     def cell(self, name: str) -> CgroupCell:
         """A new cgroup for one child (``name`` made safe, and unique with a serial); from
         any thread."""
-        safe = re.sub(r"[^A-Za-z0-9_-]", "_", name)
-        path = self.path / f"{safe}.{next(self._serial)}"
+        path = self.path / cell_name(name, self._serial)
         path.mkdir()
         return CgroupCell(path, self._writer, self._writer.warm)
 
@@ -442,7 +448,7 @@ def open_job_cgroup() -> JobCgroup:
     if own.name != DAEMON_LEAF:
         with contextlib.suppress(OSError):  # no memory controller for its cells, then
             own = leave_for_leaf(own, mount, os.getpid()) or own
-    path = _base() / job_name()
+    path = job_base(own) / job_name()
     path.mkdir()
     if not (path / "cgroup.kill").exists():
         path.rmdir()

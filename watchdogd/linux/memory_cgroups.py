@@ -28,13 +28,13 @@ the cap is ``memory.max`` / ``memory.limit_in_bytes``. Swap is not capped.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
-import re
 import signal
 from pathlib import Path
 from typing import NamedTuple
 
-from watchdogd.linux.cgroups import Stale, job_name, members, stale_jobs
+from watchdogd.linux.cgroups import Stale, cell_name, job_name, members, stale_jobs
 from watchdogd_client._proc import PinnedProcess
 
 __all__ = [
@@ -122,7 +122,7 @@ class MemoryJob:
     def __init__(self, path: Path, files: MemoryFiles) -> None:
         self.path = path
         self.files = files
-        self._serial = 0
+        self._serial = itertools.count(1)
 
     def describe(self) -> str:
         return f"memory cgroup {self.files.version} per worker, under {self.path}"
@@ -135,8 +135,7 @@ class MemoryJob:
                 raise OSError("no v2 cell to read memory from")
             memory = Memory(v2_cell, V2, ())
         else:
-            self._serial += 1
-            path = self.path / f"{re.sub(r'[^A-Za-z0-9_-]', '_', name)}.{self._serial}"
+            path = self.path / cell_name(name, self._serial)
             path.mkdir()
             memory = Memory(path, V1, (str(path / "cgroup.procs"),))
         if limit is not None:
