@@ -30,12 +30,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import signal
 from pathlib import Path
 from typing import NamedTuple
 
 from watchdogd.linux.cgroups import Stale, cell_name, job_name, members, stale_jobs
-from watchdogd_client._proc import PinnedProcess
+from watchdogd.linux.procs import read_stat
+from watchdogd.linux.sessions import kill_matched
 
 __all__ = [
     "V1",
@@ -220,13 +220,11 @@ def sweep_stale() -> list[Stale]:
     found = []
     for entry, owner in stale_jobs(_own_v1_dir):
         pids = members(entry)
+        started = {}
         for pid in pids:
-            with contextlib.suppress(OSError):
-                pinned = PinnedProcess(pid)
-                try:
-                    pinned.send_signal(signal.SIGKILL)
-                finally:
-                    pinned.close()
+            with contextlib.suppress(ProcessLookupError):
+                started[pid] = read_stat(pid).start_time
+        kill_matched(started)
         MemoryJob(entry, V1).remove()
         if pids:  # an empty one is housekeeping: its processes were reported, or never left
             found.append(Stale(str(entry), owner, pids))
