@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from watchdogd.launcher import LaunchConfig, child_failed, run_launch
 from watchdogd.linux import cgroups, enter_cell, memory_cgroups
+from watchdogd.linux.procs import read_stat
 from watchdogd_client.groups import GroupSpec
 
 from ..conftest import running_daemon, wait_until
@@ -221,3 +222,30 @@ def test_a_cap_where_no_memory_cgroup_can_be_written_fails_the_group_saying_why(
     )  # fmt: skip
     assert out.returncode == 1, out.stderr
     assert "worker_memory_max cannot be set: no memory cgroup can be written" in out.stderr
+
+
+def test_a_dead_owners_v1_memory_job_is_swept_and_what_it_held_killed() -> None:
+    # The session fallback's orphans may be left in a v1 memory job: the next start
+    # kills them (matched by start time, through a pidfd) and removes the job.
+    try:
+        base = memory_cgroups._own_v1_dir()
+    except OSError as e:
+        pytest.skip(f"no v1 memory hierarchy can be written here: {e}")
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as owner:
+        start = read_stat(owner.pid).start_time
+        owner.kill()
+    job = base / f"watchdogd-{owner.pid}-{start}.1"
+    cell = job / "rank0.1"
+    cell.mkdir(parents=True)
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (cell / "cgroup.procs").write_text(str(orphan.pid))
+        swept = memory_cgroups.sweep_stale()
+        assert orphan.wait(10) == -signal.SIGKILL
+        assert [(s.path, s.owner, s.pids) for s in swept if s.path == str(job)] == [
+            (str(job), owner.pid, [orphan.pid])
+        ]
+    finally:
+        orphan.kill()
+        orphan.wait()
+        memory_cgroups.MemoryJob(job, memory_cgroups.V1).remove()
