@@ -56,6 +56,9 @@ def test_a_restart_keeps_the_runs_deadline_once_a_rank_is_past_its_skip() -> Non
     assert learned.resolve(STEP, 0, 1, call_initial=False, rank=0) == Resolution(
         600, "initial (rule 'st*')"
     )
+    # (`watchdogctl scopes` shows the deadline the ranks past their first step get.)
+    shown, source = learned.describe(STEP)  # type: ignore[misc]
+    assert (shown, source) == (pytest.approx(6.0, rel=1e-3), "learned (an earlier attempt)")
     learned.observe(STEP, 1, 25.0, 0)
     # ...then the run's learned one at once, not initial for 3 more samples.
     seconds, source = learned.resolve(STEP, 0, 1, call_initial=False, rank=0)  # type: ignore[misc]

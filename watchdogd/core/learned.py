@@ -168,6 +168,12 @@ class Learner:
             if rule.initial is not None:
                 return Resolution(rule.initial, f"initial (rule {rule.scope!r})")
             return None
+        return self.learned_deadline()
+
+    def learned_deadline(self) -> Resolution:
+        """The deadline it learned: ``margin`` over the decayed maximum, at least ``floor``
+        (this attempt's own once it has its samples, else an earlier attempt's)."""
+        rule = self.rule
         learned = rule.margin * self.decayed_max
         if learned < rule.floor:
             return Resolution(rule.floor, "floor")
@@ -328,4 +334,4 @@ class LearnedDeadlines:
         rule = learner.rule
         if learner.in_attempt < rule.samples and not learner.learned:
             return Resolution(rule.initial, f"learning ({learner.in_attempt} of {rule.samples})")
-        return learner.resolve(call_initial=False, rank=next(iter(learner.skipped), None))
+        return learner.learned_deadline()
