@@ -3,7 +3,7 @@
 When torch is importable a launch raises torch's own classes (``except
 ChildFailedError`` and ``@record`` see what they expect); without it, the
 classes of the same shape defined here. ``NoProgressError`` (a run whose
-restarts made no progress: do not requeue it) subclasses whichever
+restarts made no progress, or a bad program: do not requeue it) subclasses whichever
 ``ChildFailedError`` is raised, so that catching torch's error still
 catches it; it is made on first use, since only then is torch looked for.
 """
@@ -146,7 +146,8 @@ def no_progress_error_type() -> type[Exception]:
     _, base = _torch_errors()
 
     class NoProgressError(base):  # type: ignore[misc,valid-type]
-        """The run ended because its restarts made no progress: do not requeue it."""
+        """The run ended because its restarts made no progress, or every attempt failed the
+        same way before any step (a bad program): do not requeue it."""
 
         exit_code = EXIT_NO_PROGRESS
 

@@ -21,7 +21,8 @@ run as the caller, with the caller's environment plus torchrun's variables.
 Past ``max_restarts`` the call raises torch's own ``ChildFailedError`` when
 torch is importable (``except ChildFailedError`` and ``@record`` see what
 they expect), else :class:`ChildFailedError` of the same shape from here.
-A run that ended because its restarts made no progress raises
+A run that ended because its restarts made no progress, or whose every
+attempt failed the same way before any step (a bad program), raises
 ``NoProgressError`` (:mod:`watchdogd.launch_failures`), a subclass of that
 ``ChildFailedError``: code that catches torch's error keeps working, and
 code that must not requeue catches this one first. Its ``reason`` names
@@ -345,7 +346,8 @@ class Result:
     reason: str | None
     """Why the group could not run, when no worker failed."""
     no_progress: str | None = None
-    """Why the run must not be requeued: its restarts made no progress (None: not so)."""
+    """Why the run must not be requeued: its restarts made no progress, or it is a bad
+    program (None: not so)."""
 
 
 def launch_agent(
@@ -358,7 +360,7 @@ def launch_agent(
 
     ``options``: run options beyond the config's fields. Raises
     ``ChildFailedError`` past ``max_restarts`` (``NoProgressError`` when its
-    restarts made no progress), :class:`LaunchError` when the group cannot
+    restarts made no progress, or it is a bad program), :class:`LaunchError` when the group cannot
     run, ValueError on a config or entrypoint it cannot honour (before
     anything starts).
     """
@@ -449,9 +451,9 @@ def _launch(
         failure = runner.failures.last
         reason = failure.reason if failure is not None else None
         failures = list(runner.failures.attempt.values())
-        if not runner.progress.exhausted:
+        if not runner.do_not_requeue:
             return Result(name, outcome.state, {}, failures, reason)
-        no_progress = "\n  ".join(runner.failures.no_progress_report())
+        no_progress = "\n  ".join(runner.do_not_requeue)
         return Result(name, outcome.state, {}, failures, reason, no_progress)
     values: dict[int, Any] = {}
     for worker in runner.workers.values():

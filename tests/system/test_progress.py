@@ -82,13 +82,58 @@ def test_recomputed_steps_are_no_progress_once_reported_and_releases_cannot_tell
     assert "FAILED after 5 attempt(s), 4 restart(s)" in stderr
 
 
-def test_a_program_that_shows_no_step_is_never_judged(tmp_path: Path) -> None:
-    # No release, no report: nothing tells progress, so max_restarts alone decides.
+BAD_PROGRAMS = {
+    "import": ("import no_such_module\n", "exited with status 1"),
+    "recorded": (
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "@record\n"
+        "def main():\n"
+        "    import no_such_module\n"
+        "main()\n",
+        "ModuleNotFoundError: No module named 'no_such_module'",
+    ),
+}
+
+
+@pytest.mark.parametrize("program", BAD_PROGRAMS, ids=["no-error-file", "error-file"])
+def test_a_program_that_fails_alike_before_any_step_in_every_attempt_is_not_requeued(
+    tmp_path: Path, program: str
+) -> None:
+    code, error = BAD_PROGRAMS[program]
+    worker = tmp_path / "bad.py"
+    worker.write_text(code)
+    events = tmp_path / "events.jsonl"
+    out = run("--max-restarts", "2", "--event-log", str(events), str(worker), timeout=120)
+    assert out.returncode == EXIT_NO_PROGRESS, out.stderr
+    assert "FAILED after 3 attempt(s), 2 restart(s)" in out.stderr
+    assert (
+        f"do not requeue (exit 93): bad program: rank 0 on {socket.gethostname()} failed "
+        f"the same way in all 3 attempts: {error}" in out.stderr
+    )
+    (event,) = [e for e in map(json.loads, events.read_text().splitlines())
+                if e["name"] == "bad_program"]  # fmt: skip
+    assert event["metadata"]["attempts"] == 3
+    assert event["metadata"]["ranks"] == "0"
+    assert event["metadata"]["error"] == (None if program == "import" else error)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+        "import os\nraise SystemExit(1 + int(os.environ['TORCHELASTIC_RESTART_COUNT']))\n",
+    ],
+    ids=["killed-by-a-signal", "fails-differently"],
+)
+def test_a_program_that_fails_otherwise_before_any_step_may_be_requeued(
+    tmp_path: Path, code: str
+) -> None:
+    # No step shown: the no-progress rule never judges, and this is no bad program.
     worker = tmp_path / "crash.py"
-    worker.write_text("raise SystemExit(1)\n")
-    out = run("--max-restarts", "3", "--max-no-progress-restarts", "1", str(worker))
+    worker.write_text(code)
+    out = run("--max-restarts", "2", "--max-no-progress-restarts", "1", str(worker))
     assert out.returncode == 1, out.stderr
-    assert "after 4 attempt(s), 3 restart(s)" in out.stderr
+    assert "after 3 attempt(s), 2 restart(s)" in out.stderr
     assert "do not requeue" not in out.stderr
 
 
@@ -107,3 +152,16 @@ def test_the_launch_api_raises_no_progress_error_a_child_failed_error(tmp_path: 
         caught.value.reason
     )
     assert set(caught.value.failures) == {0}
+
+
+def test_the_launch_api_raises_no_progress_error_for_a_bad_program(tmp_path: Path) -> None:
+    worker = tmp_path / "bad.py"
+    worker.write_text("raise SystemExit(3)\n")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, run_id="t", max_restarts=1)
+    with pytest.raises(launcher.NoProgressError) as caught:
+        elastic_launch(config, sys.executable)(str(worker))
+    assert caught.value.exit_code == 93
+    assert caught.value.reason == (
+        f"do not requeue (exit 93): bad program: rank 0 on {socket.gethostname()} failed "
+        "the same way in all 2 attempts: exited with status 3"
+    )

@@ -104,7 +104,8 @@ def add_run_arguments(
           help=f"restarts before failing (default {_DEFAULT.max_restarts})")  # fmt: skip
     flag("--max-no-progress-restarts", type=int, metavar="K",
           help="end the run with exit status 93 (do not requeue) once K restarts in a row "
-          "made no progress: no step past the highest reached (0: off; default "
+          "made no progress: no step past the highest reached, or once every attempt failed "
+          "the same way before any step, a bad program (0: off; default "
           f"{_DEFAULT.max_no_progress_restarts})")  # fmt: skip
     flag("--progress-scope", metavar="SCOPE",
           help="the scope whose release is a step (default: any scope's; "
@@ -346,8 +347,7 @@ def summarize(runner: GroupRunner, state: GroupState) -> str:
         f"watchdogd run: group {info.name} {state.value} "
         f"after {info.attempt + 1} attempt(s), {runner.machine.restarts_used} restart(s)"
     ]
-    if runner.progress.exhausted:
-        lines += [f"  {line}" for line in runner.failures.no_progress_report()]
+    lines += [f"  {line}" for line in runner.do_not_requeue]
     failure = info.last_failure
     if failure is not None and failure.rank < 0:  # the group itself: no worker to name
         lines.append(f"  {failure.reason}")
@@ -398,7 +398,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     if outcome.state is GroupState.SUCCEEDED:
         return 0
     print(summarize(outcome.runner, outcome.state), file=sys.stderr)
-    return EXIT_NO_PROGRESS if outcome.runner.progress.exhausted else EXIT_FAILED
+    return EXIT_NO_PROGRESS if outcome.runner.do_not_requeue else EXIT_FAILED
 
 
 def _write_trace(daemon: Daemon, path: str) -> None:

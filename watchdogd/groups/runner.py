@@ -148,6 +148,8 @@ class GroupRunner:
         self.failures = AttemptFailures(
             self.progress, socket.gethostname(), spec.max_no_progress_restarts + 1
         )
+        self.do_not_requeue: list[str] = []
+        """Once it failed: why the run must not be requeued (empty: a requeue may help)."""
         self.started_at = time.time()
         self.oom_kills = 0
         """Processes of its workers' cells the OOM killer ended, over all attempts."""
@@ -434,15 +436,32 @@ class GroupRunner:
                         worker.child.send_signal(signum)
                 case Finished(state):
                     final = state
-                    if self.progress.exhausted:
-                        self.events.emit_at(
-                            logging.ERROR,
-                            "no_progress",
-                            group=self.spec.name,
-                            attempts=self.progress.streak,
-                            causes="; ".join(self.failures.no_progress_report()[1:]),
-                        )
+                    if state is GroupState.FAILED:
+                        self.do_not_requeue = self.failures.do_not_requeue()
+                        self._emit_do_not_requeue()
         return final
+
+    def _emit_do_not_requeue(self) -> None:
+        if self.progress.exhausted:
+            self.events.emit_at(
+                logging.ERROR,
+                "no_progress",
+                group=self.spec.name,
+                attempts=self.progress.streak,
+                causes="; ".join(self.do_not_requeue[1:]),
+            )
+        elif self.do_not_requeue:
+            bad = self.failures.bad_program
+            assert bad.failure is not None
+            self.events.emit_at(
+                logging.ERROR,
+                "bad_program",
+                group=self.spec.name,
+                attempts=bad.attempts,
+                ranks=", ".join(map(str, sorted(bad.ranks))),
+                exitcode=bad.failure.exitcode,
+                error=bad.failure.error,
+            )
 
     def _stop_order(self, local_ranks: Iterable[int]) -> list[Worker]:
         """These workers, the last started first."""
@@ -468,6 +487,7 @@ class GroupRunner:
         if meeting.cancelled_caught:
             return False
         self.placement = placement
+        self.failures.bad_program.attempt_started()
         # Every backend's round, the static one's too: a job's timeline shows each.
         self.events.emit(
             "rendezvous_round",
@@ -529,7 +549,7 @@ class GroupRunner:
         oom_kills: int = 0,
         fault: NodeFault | None = None,
     ) -> None:
-        first = self.failures.record(worker, exitcode, reason, oom_kills)
+        first = self.failures.record(worker, exitcode, reason, oom_kills, fault)
         if first and self.quarantine is not None:
             self.quarantine.first_failure(f"rank {worker.rank}: {reason}", fault)
 
