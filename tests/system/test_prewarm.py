@@ -108,8 +108,14 @@ CRASH_ONCE = """
     if attempt == "0":
         time.sleep(0.3)
         sys.exit(1 if rank == "0" else 0)
-    # Attempt 1 ran on spares; new ones take their place, and show in the group's view.
+    # Attempt 1 ran on spares; new ones take their place once every rank is at work
+    # (reported a step), or REFILL_HOLD seconds after, not before; they show in the
+    # group's view.
     client = wd.SocketTimerClient(os.environ["WATCHDOGD_SOCKET"])
+    time.sleep(1.0)
+    held = len(client.list_groups()[0].spares)
+    if os.environ["REPORT"] == "1":
+        client.progress(1)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         spares = client.list_groups()[0].spares
@@ -117,21 +123,25 @@ CRASH_ONCE = """
             break
         time.sleep(0.05)
     if rank == "0":
-        print("spares", [(s.local_rank, s.ready, s.rss_bytes > 0) for s in spares], flush=True)
+        print("held", held, "spares", [(s.local_rank, s.ready, s.rss_bytes > 0) for s in spares],
+              flush=True)
 """
 
 
-def test_a_crash_restarts_onto_spares_and_new_ones_take_their_place(tmp_path: Path) -> None:
+@pytest.mark.parametrize("report", ["1", "0"], ids=["at-work", "silent"])
+def test_a_crash_restarts_onto_spares_and_new_ones_take_their_place(
+    tmp_path: Path, report: str
+) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text(textwrap.dedent(CRASH_ONCE))
     events = tmp_path / "events.jsonl"
     out = run("--nproc-per-node", "2", "--max-restarts", "1", "--prewarm", "wd_prewarm_probe",
               "--event-log", str(events), str(worker),
-              env=probe_env(tmp_path, tmp_path))  # fmt: skip
+              env={**probe_env(tmp_path, tmp_path), "REPORT": report})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "attempt 1 rank 0 spare=True" in out.stdout
     assert "attempt 1 rank 1 spare=True" in out.stdout
-    assert "spares [(0, True, True), (1, True, True)]" in out.stdout
+    assert "held 0 spares [(0, True, True), (1, True, True)]" in out.stdout
     # Each attempt took both spares; the pool refilled after each, and says how long it took.
     refills = [e["metadata"]["after_s"] for e in map(json.loads, events.read_text().splitlines())
                if e["name"] == "spares_refilled"]  # fmt: skip
@@ -183,13 +193,18 @@ def _spares_alive(token: str) -> list[int]:
 def test_spares_leave_with_the_group_and_a_dying_one_is_reported(tmp_path: Path) -> None:
     # Every import of this module fails: the first spares still become the first
     # attempt's workers (their user code imports what it needs), and each replacement
-    # dies, is reported, and is tried again after a pause.
+    # dies, is reported, and is tried again after a pause. The workers are at work at once
+    # (a step reported), so the replacements start then.
     site = tmp_path / "site"
     site.mkdir()
     token = f"wd_broken_{os.getpid()}"
     (site / f"{token}.py").write_text("raise ImportError('this module is broken')\n")
     worker = tmp_path / "worker.py"
-    worker.write_text("import time\ntime.sleep(4)\nprint('worker done')\n")
+    worker.write_text(
+        "import os, time\nimport watchdogd_client as wd\n"
+        "wd.SocketTimerClient(os.environ['WATCHDOGD_SOCKET']).progress(1)\n"
+        "time.sleep(4)\nprint('worker done')\n"
+    )
     events = tmp_path / "events.jsonl"
     out = run("--nproc-per-node", "2", "--prewarm", token, "--event-log", str(events),
               str(worker), env={"PYTHONPATH": os.pathsep.join(

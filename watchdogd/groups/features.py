@@ -165,7 +165,9 @@ class NumaBinding(CpuBinding):
 
 class WarmSpares(Feature):
     """``prewarm``: the pool warms a spare per rank while the nodes meet (after the binding,
-    whose CPUs the spares start on). Its pool is the group's :class:`WorkerStarter`."""
+    whose CPUs the spares start on). Its pool is the group's :class:`WorkerStarter`; it
+    replaces the spares an attempt took once every worker of it is at work (:meth:`at_work`,
+    which the group's ``WorkerIndex`` calls)."""
 
     @classmethod
     def for_group(
@@ -216,8 +218,23 @@ class WarmSpares(Feature):
         self.pool = pool
         self.nproc = nproc
         self.binding = binding
+        self._at_work: set[int] | None = None
+        """The workers of the latest attempt seen at work, by pid, until all are."""
+
+    def workers_started(self) -> None:
+        self._at_work = set()  # the last attempt's are gone from the index: these are new
+
+    def at_work(self, pid: int) -> None:
+        """Worker ``pid`` of the group released a timer or reported a step."""
+        if self._at_work is None:
+            return
+        self._at_work.add(pid)
+        if len(self._at_work) >= self.nproc:
+            self._at_work = None
+            self.pool.at_work()
 
     async def prepare(self) -> None:
+        self._at_work = None  # nobody of the next attempt yet
         self.pool.fill(self.nproc, self.binding.decided())
 
     def start(self, tg: anyio.abc.TaskGroup) -> None:

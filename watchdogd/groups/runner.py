@@ -192,6 +192,7 @@ class GroupRunner:
                     spec, events, endpoints, self.gpus, self.binding, self.cells.cell
                 )
                 starter = spares.pool
+                workers.watch_work(spec.name, spares.at_work)
                 self.features.append(spares)
         self.faults: FaultInjection | NoFaultInjection = NoFaultInjection(spec.name)
         if fault_injection:

@@ -7,10 +7,19 @@ GPUs, CPUs, the timer endpoints, the user's variables) and imports the
 listed modules; when an attempt starts, :meth:`SparePool.start` hands it
 the attempt's environment and the worker's streams and it becomes the
 worker, so a restart does not pay the imports again. A consumed spare is
-replaced in the background; as root, replacements warm up at the lowest
-CPU priority (nice 19) and are put back at the workers' priority when
-assigned (an unprivileged daemon could not raise their priority back, so
-its spares warm up at its own). A spare that dies before it is assigned is
+replaced in the background once the attempt that took it is at work
+(:meth:`SparePool.at_work`: every rank released a timer or reported a
+step), or :data:`REFILL_HOLD` seconds after the handover for a group that
+never says so: a restarted worker's own start (its process group's
+connections, its data loaders) does not share the CPUs with the imports
+of its replacements. As root, replacements warm up at the lowest CPU
+priority (nice 19) and are put back at the workers' priority when assigned
+(an unprivileged daemon could not raise their priority back, so its spares
+warm up at its own). Nice alone is not enough: it lowers the spares' share
+of the CPUs, not the wait of a woken worker, and a process group's start
+is many short round trips between ranks, each a wake-up that may wait out
+a spare's time slice on a busy core; nor does it govern the import's page
+faults and file reads. A spare that dies before it is assigned is
 reported and replaced (after a pause that doubles, up to a minute, while
 they keep dying). The first attempt takes the spares as they are, warm or
 not yet: a worker never waits for a spare it could not have started faster
@@ -45,13 +54,17 @@ from watchdogd.linux.proctitle import room
 from watchdogd_client.framing import FrameSplitter, frame
 from watchdogd_client.groups import SpareInfo
 
-__all__ = ["SparePool"]
+__all__ = ["REFILL_HOLD", "SparePool"]
 
 log = logging.getLogger("watchdogd.supervisor")
 
 _LOWEST_PRIORITY = 19
 _SEND_TIMEOUT = 5.0
 _MAX_BACKOFF = 60.0
+REFILL_HOLD = 5.0
+"""Seconds after a handover that the refill waits for the attempt to be at work: past a
+process group's start on a loaded node (0.8 s in bench/bench_goodput.py's restarts, at
+worst), well before most next failures."""
 
 
 class _Spare:
@@ -124,6 +137,8 @@ class SparePool:
         self._root = os.geteuid() == 0
         self._refill_since: float | None = None
         """When the first spare was taken since every rank last had a ready one."""
+        self._held_until: float | None = None
+        """Until when consumed spares wait to be replaced (None: replaced as asked)."""
 
     # -- keeping them ready -------------------------------------------------------------
 
@@ -149,16 +164,25 @@ class SparePool:
     async def keep_ready(self) -> None:
         """Replace consumed and dead spares, in the background, for the group's life."""
         while not self._closed:
-            with anyio.move_on_after(self._next_retry()):
+            with anyio.move_on_after(self._next_wake()):
                 await self._wanted.wait()
             self._wanted = anyio.Event()
-            if self.nproc:
+            if self._held_until is not None and time.monotonic() >= self._held_until:
+                self._held_until = None  # the attempt never said it is at work
+            if self.nproc and self._held_until is None:
                 self.fill(self.nproc, self.cpus)
 
-    def _next_retry(self) -> float:
-        """Seconds until a paused rank may get a spare again (inf: none is paused)."""
+    def at_work(self) -> None:
+        """Every rank of the attempt that took the spares is at work: replace them now."""
+        self._held_until = None
+        self._wanted.set()
+
+    def _next_wake(self) -> float:
+        """Seconds until a paused rank may get a spare again, or the refill's hold ends
+        (inf: neither)."""
         now = time.monotonic()
-        pending = [t - now for t in self._not_before.values() if t > now]
+        times = [*self._not_before.values(), self._held_until]
+        pending = [t - now for t in times if t is not None and t > now]
         return min(pending) if pending else float("inf")
 
     def _pause(self, local_rank: int) -> None:
@@ -278,7 +302,8 @@ class SparePool:
         cell: Cell,
     ) -> Started:
         spare = self.spares.pop(local_rank, None)
-        self._wanted.set()  # its replacement, in the background
+        self._held_until = time.monotonic() + REFILL_HOLD  # its replacement: see at_work
+        self._wanted.set()
         if self._refill_since is None:
             self._refill_since = time.monotonic()
         if spare is None or spare.popen.poll() is not None:

@@ -5,7 +5,8 @@ A :class:`Worker` is one local rank of one attempt. Its process is a
 :class:`~watchdogd.groups.child.ChildProcess` (the one owner of its pidfd);
 the :class:`WorkerIndex` is what the timer service sees of every group's
 workers (its ``Supervision`` port), and where their steps reach their
-group's progress (released timers, ``wd.progress`` reports).
+group's progress (released timers, ``wd.progress`` reports) and whoever
+waits for its workers to be at work (the warm spares' refill).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -106,6 +108,7 @@ class WorkerIndex:
         # group -> pid -> the flight recorder of that rank, for workers that run one.
         self._recorders: dict[str, dict[int, Recorder]] = {}
         self._progress: dict[str, StepProgress] = {}
+        self._at_work: dict[str, Callable[[int], None]] = {}
 
     def add(self, pid: int, worker: SupervisedWorker, recorder: Recorder | None = None) -> None:
         self._workers[pid] = worker
@@ -123,8 +126,20 @@ class WorkerIndex:
         """Steps of ``group``'s workers go to ``progress`` (until ``untrack``)."""
         self._progress[group] = progress
 
+    def watch_work(self, group: str, at_work: Callable[[int], None]) -> None:
+        """``at_work(pid)`` on each release and step report of ``group``'s workers (until
+        ``untrack``)."""
+        self._at_work[group] = at_work
+
     def untrack(self, group: str) -> None:
         self._progress.pop(group, None)
+        self._at_work.pop(group, None)
+
+    def _worked(self, pid: int, worker: SupervisedWorker) -> StepProgress | None:
+        """Worker ``pid`` showed work: tell its group's watcher; its group's progress."""
+        if (at_work := self._at_work.get(worker.group)) is not None:
+            at_work(pid)
+        return self._progress.get(worker.group)
 
     def timer_ended(self, ended: Ended) -> None:
         """A timer observer: a worker's release may complete its group's step."""
@@ -133,13 +148,13 @@ class WorkerIndex:
             return
         if (worker := self._workers.get(timer.pid)) is None:
             return
-        if (progress := self._progress.get(worker.group)) is not None:
+        if (progress := self._worked(timer.pid, worker)) is not None:
             progress.released(worker.attempt, timer.scope_id)
 
     def step_reported(self, pid: int, step: int) -> None:
         """Worker ``pid`` completed step ``step`` (``wd.progress``); others are ignored."""
         worker = self._workers.get(pid)
-        if worker is not None and (progress := self._progress.get(worker.group)) is not None:
+        if worker is not None and (progress := self._worked(pid, worker)) is not None:
             progress.reported(worker.attempt, step)
 
     def take_expired_scope(self, pid: int) -> str | None:
