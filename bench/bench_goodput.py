@@ -3,8 +3,9 @@
 One trainer (``_goodput_trainer.py``: gloo, 2 nodes x 2 ranks, ``--mb`` MB
 all-reduced and ``--step-ms`` per step, ``torch.save`` every 10 steps, resume
 from the latest checkpoint) runs under each launcher in turn, on this
-machine, two agents each (``--nnodes 2:2``; ``--standby`` adds a third once
-the job runs), for ``--duration`` seconds from the job's first step, while
+machine, two agents each (``--nnodes 2:2``; ``--standby watchdogd`` adds a
+third to the launchers named, ``--standby`` alone to all, once the job
+runs), for ``--duration`` seconds from the job's first step, while
 the same seeded schedule injects a fault every ``--fault-every`` seconds,
 from outside:
 
@@ -47,7 +48,8 @@ process group, checkpoint reload and recomputed steps. The last lines are
 one JSON object per launcher. Usage::
 
     python bench/bench_goodput.py [--duration 600] [--fault-every 30] [--seed 1]
-        [--launchers watchdogd,torchrun,nvrx] [--standby] [--json out.json] [--keep]
+        [--launchers watchdogd,torchrun,nvrx] [--watchdogd-rdzv etcd]
+        [--standby [watchdogd,...]] [--json out.json] [--keep]
     python bench/bench_goodput.py --analyse KEPT_DIR
 """
 
@@ -236,7 +238,8 @@ class Settings:
     mb: float
     step_ms: float
     nvrx_dir: Path
-    standby: bool
+    standby: tuple[str, ...]
+    """The launchers whose job gets a third agent, waiting."""
     watchdogd_rdzv: str
 
 
@@ -424,7 +427,7 @@ class Run:
                 time.sleep(0.05)
             if first is None:
                 raise SystemExit(f"{self.launcher}: no step within 180 s; see {self.out}")
-            if self.settings.standby:
+            if self.launcher in self.settings.standby:
                 # It joins the running job: three agents racing for a round of two
                 # can leave the third in torch's wait list, which restarts the job.
                 self.start_agent()
@@ -610,6 +613,7 @@ def report(results: list[dict[str, Any]], settings: Settings) -> None:
         f"goodput: {settings.duration:g} s per launcher, a fault every {settings.fault_every:g} s "
         f"(seed {settings.seed}), 2 nodes x 2 ranks, {settings.mb:g} MB/step, "
         f"{settings.step_ms:g} ms steps, heartbeat/lease {settings.ttl} s"
+        + (f", a standby node for {', '.join(settings.standby)}" if settings.standby else "")
     )
     names = [r["launcher"] for r in results]
     print(f"{'':34}" + "".join(f"{n:>14}" for n in names))
@@ -673,12 +677,22 @@ def analyse_kept(work: Path) -> tuple[list[dict[str, Any]], Settings | None]:
         state = json.loads(path.read_text())
         settings = Settings(**state["settings"])
         settings.keep_alive = keep_alive("x".join(map(str, settings.keep_alive)))
+        if isinstance(settings.standby, bool):  # kept before --standby named launchers
+            settings.standby = LAUNCHERS if settings.standby else ()
         run = Run(launcher, settings, work, "")
         run.deaths = {int(pid): t for pid, t in state["deaths"].items()}
         run.read_lines()
         faults = [Fault(**f) for f in state["faults"]]
         results.append(analyse(run, faults, state["launched"], state["first"]))
     return results, settings
+
+
+def launcher_list(text: str) -> tuple[str, ...]:
+    """``watchdogd,torchrun``: the launchers named, each one of ours."""
+    names = tuple(name for name in text.split(",") if name)
+    if unknown := [name for name in names if name not in LAUNCHERS]:
+        raise SystemExit(f"unknown launcher(s) {', '.join(unknown)}: one of {', '.join(LAUNCHERS)}")
+    return names
 
 
 def keep_alive(text: str) -> tuple[int, int]:
@@ -706,7 +720,7 @@ def c10d_store() -> Iterator[str]:
         proc.wait()
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds per launcher")
     parser.add_argument("--fault-every", type=float, default=30.0)
@@ -721,7 +735,10 @@ def main() -> int:
     parser.add_argument("--torch-timeout", type=float, default=10.0, help="torchrun's PG timeout")
     parser.add_argument("--mb", type=float, default=10.0)
     parser.add_argument("--step-ms", type=float, default=100.0)
-    parser.add_argument("--standby", action="store_true", help="a third agent, waiting")
+    parser.add_argument(
+        "--standby", nargs="?", const=",".join(LAUNCHERS), default="", metavar="LAUNCHERS",
+        help="a third agent, waiting, for these launchers (alone: all of them)",
+    )  # fmt: skip
     parser.add_argument(
         "--watchdogd-rdzv", choices=["c10d", "etcd"], default="c10d",
         help="watchdogd's rendezvous (etcd: a real etcd the bench starts)",
@@ -729,18 +746,23 @@ def main() -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--analyse", metavar="DIR", help="report on a kept work directory again")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = parser().parse_args()
     nvrx_dir = Path(os.environ.get("NVRX_DIR", Path(tempfile.gettempdir()) / "nvrx-anchor"))
     settings = Settings(
         args.duration, args.fault_every, args.seed, args.node_return, args.slow_for, args.ttl,
         keep_alive(args.keep_alive),
-        args.torch_timeout, args.mb, args.step_ms, nvrx_dir, args.standby, args.watchdogd_rdzv,
+        args.torch_timeout, args.mb, args.step_ms, nvrx_dir, launcher_list(args.standby),
+        args.watchdogd_rdzv,
     )  # fmt: skip
     if args.analyse:
         results, kept = analyse_kept(Path(args.analyse))
         report(results, kept or settings)
         return 0
-    launchers = args.launchers.split(",")
+    launchers = launcher_list(args.launchers)
     if "nvrx" in launchers and not (nvrx_dir / "site" / "bin" / "ft_launcher").exists():
         raise SystemExit(f"no ft_launcher under {nvrx_dir}: run ../shared/bench/anchor_nvrx/run.sh")
     work = Path(tempfile.mkdtemp(prefix="wdb-goodput-"))

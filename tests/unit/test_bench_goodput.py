@@ -26,6 +26,19 @@ def test_the_schedule_is_seeded_and_brings_every_kind_as_often() -> None:
     assert counts == dict.fromkeys(bench.KINDS, 4)
 
 
+def test_standby_names_the_launchers_that_get_one_and_alone_means_all() -> None:
+    given = [[], ["--standby"], ["--standby", "watchdogd"], ["--standby", "watchdogd,nvrx"]]
+    standby = [bench.parser().parse_args(flags).standby for flags in given]
+    assert [bench.launcher_list(text) for text in standby] == [
+        (),
+        bench.LAUNCHERS,
+        ("watchdogd",),
+        ("watchdogd", "nvrx"),
+    ]
+    with pytest.raises(SystemExit, match=r"unknown launcher.*torchrn"):
+        bench.launcher_list("watchdogd,torchrn")
+
+
 def _line(ev: str, t: float, gen: float, pid: int, **fields: Any) -> dict[str, Any]:
     return {"ev": ev, "t": t, "gen": gen, "pid": pid, "rank": fields.pop("rank", 0), **fields}
 
@@ -35,7 +48,7 @@ def test_a_crash_loses_the_gap_in_progress_and_its_recomputed_steps(tmp_path: Pa
     settings = bench.Settings(
         duration=60, fault_every=30, seed=1, node_return=5, slow_for=60, ttl=2,
         keep_alive=(2, 2), torch_timeout=10, mb=1, step_ms=100, nvrx_dir=tmp_path,
-        standby=False, watchdogd_rdzv="c10d",
+        standby=(), watchdogd_rdzv="c10d",
     )  # fmt: skip
     run = bench.Run("torchrun", settings, tmp_path, "127.0.0.1:1")
     lines = [_line("pg", 0.0, 1.0, 10), _line("loaded", 0.0, 1.0, 10, step=0)]
