@@ -28,7 +28,9 @@ conservative: any doubt keeps "a requeue may help".
 
 Each node judges from its own ranks. Its limit, plainly: a node whose own
 environment breaks the program the same way in every attempt (a package
-missing from this node's image) reads as a bad program, on that node.
+missing from this node's image) reads as a bad program, on that node; so
+does a peer's fault that makes this node's ranks raise the same exception
+before any step in every attempt.
 """
 
 from __future__ import annotations
