@@ -34,10 +34,19 @@ from watchdogd.core.quarantine import NodeFailures, NodeFault, counts_against_no
 from watchdogd.core.rdzv_state import (
     RendezvousConnectionError,
     RendezvousGracefulExitError,
+    asking,
+    standing_by,
     where,
 )
 from watchdogd.groups.etcd_backend import EtcdBackend
-from watchdogd.groups.etcd_documents import NODES, STATE, encode, run_prefix, state_of
+from watchdogd.groups.etcd_documents import (
+    NODES,
+    STATE,
+    encode,
+    read_records,
+    run_prefix,
+    state_of,
+)
 from watchdogd.groups.etcd_store import EtcdStore, Mirror, parse_endpoints
 from watchdogd.groups.features import Feature
 from watchdogd_client.groups import GroupSpec
@@ -157,6 +166,20 @@ class EtcdQuarantine(Feature):
             return
         self.reason = reason
         self._emit_set_aside(aside)
+
+    async def standby_waiting(self) -> bool:
+        """Whether a node stands by beside this node's full round, to take a rank."""
+        deadline = self._deadline()
+        state = state_of(await self.store.get(STATE, deadline=deadline))
+        if not standing_by(state, self.backend.spec.rendezvous.nnodes):
+            return False
+        return bool(asking(state, await read_records(self.store, deadline=deadline)))
+
+    async def step_aside(self, reason: str) -> None:
+        """Set this node aside now (a straggler of its own); it leaves the job before
+        its next round, the way a node whose failures counted does."""
+        aside = await self._set_aside(reason, self._deadline())
+        self.reason = aside.reason  # said at once: the workers are still being stopped
 
     async def _set_aside(self, reason: str, deadline: float) -> SetAside:
         aside = SetAside(reason, time.time())
