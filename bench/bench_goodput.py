@@ -297,6 +297,8 @@ class Run:
             command = [watchdogd, "run", *rdzv, *common]
             command += ["--prewarm", "torch", "--deadline", "step:initial=600,samples=200"]
             command += ["--event-log", str(self.out / f"events-{name}.jsonl")]
+            # A quarantine names its node: agents sharing this machine need names apart.
+            command += ["--node-name", name]
             if s.watchdogd_replace_stragglers is not None:
                 # Checked once per publish interval (10 s by default): 2 s here.
                 command += ["--replace-stragglers-after", str(s.watchdogd_replace_stragglers)]

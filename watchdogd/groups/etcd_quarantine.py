@@ -3,7 +3,9 @@
 The rule (which failures are the node's, which count, when enough did) is
 :mod:`watchdogd.core.quarantine`'s. :class:`EtcdQuarantine` is the
 :class:`~watchdogd.groups.features.Feature` of an etcd group with
-``quarantine_after`` set. Its keys, under the run's prefix, carry no lease:
+``quarantine_after`` or ``replace_stragglers_after`` set (a node steps aside for
+a straggler of its own through :meth:`~EtcdQuarantine.step_aside`:
+:mod:`~watchdogd.groups.straggler_replacement`). Its keys, under the run's prefix, carry no lease:
 
 - ``first_failure/<round>``: the job's first failure of that round. A node
   whose worker failed while the round still ran claims it at once, with a
