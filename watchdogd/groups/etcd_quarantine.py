@@ -10,6 +10,9 @@ a straggler of its own through :meth:`~EtcdQuarantine.step_aside`:
 - ``first_failure/<round>``: the job's first failure of that round. A node
   whose worker failed while the round still ran claims it at once, with a
   create-only write; the one written is first (etcd's order).
+- ``stepped_aside/<round>``: the node that stepped aside for a straggler of
+  its own in that round (create-only: one per round, so two nodes never
+  both count on one standby);
 - ``quarantine/<node name>``: the node is set aside (:class:`SetAside`: why,
   since when). A restarted agent finds it before its first round; only
   ``watchdogctl quarantine --clear NAME``, on any node of the job, deletes it.
@@ -53,12 +56,13 @@ from watchdogd.groups.etcd_store import EtcdStore, Mirror, parse_endpoints
 from watchdogd.groups.features import Feature
 from watchdogd_client.groups import GroupSpec
 
-__all__ = ["QUARANTINE", "EtcdQuarantine", "SetAside"]
+__all__ = ["QUARANTINE", "STEPPED_ASIDE", "EtcdQuarantine", "SetAside"]
 
 log = logging.getLogger("watchdogd.rendezvous")
 
 QUARANTINE = "quarantine/"
 FIRST_FAILURE = "first_failure/"
+STEPPED_ASIDE = "stepped_aside/"
 _CALL_TIMEOUT = 5.0
 _ETCD_TIMEOUT = 60.0
 
@@ -177,11 +181,20 @@ class EtcdQuarantine(Feature):
             return False
         return bool(asking(state, await read_records(self.store, deadline=deadline)))
 
-    async def step_aside(self, reason: str) -> None:
+    async def step_aside(self, reason: str) -> bool:
         """Set this node aside now (a straggler of its own); it leaves the job before
-        its next round, the way a node whose failures counted does."""
-        aside = await self._set_aside(reason, self._deadline())
+        its next round, the way a node whose failures counted does. One node per round:
+        False when another claimed this round's step aside (the standby is its)."""
+        result = self.backend.result
+        if result is None:
+            return False
+        claim = encode({"node": self.node, "reason": reason})
+        key, deadline = f"{STEPPED_ASIDE}{result.round}", self._deadline()
+        if not await self.store.create(key, claim, lease=0, deadline=deadline):
+            return False
+        aside = await self._set_aside(reason, deadline)
         self.reason = aside.reason  # said at once: the workers are still being stopped
+        return True
 
     async def _set_aside(self, reason: str, deadline: float) -> SetAside:
         aside = SetAside(reason, time.time())

@@ -83,7 +83,8 @@ class StragglerReplacement(Feature):
                 if not await self.quarantine.standby_waiting():
                     continue  # asked again next interval, while the rank stays named
                 reason = found.reason()
-                await self.quarantine.step_aside(reason)
+                if not await self.quarantine.step_aside(reason):
+                    continue  # another node stepped aside in this round: its standby
             except RendezvousConnectionError as e:
                 log.warning("group %s: no step aside for %s: %s", job, found, e)
                 continue
