@@ -1,14 +1,16 @@
 """The goodput bench's trainer: one script for every launcher (``bench_goodput.py`` runs it).
 
-Data parallel with gloo: each step all-reduces ``--mb`` MB of float32 and
-pads with sleep to ``--step-ms``; rank 0 saves the state with
+Data parallel with gloo: each step computes (a sleep of ``--compute-ms``),
+all-reduces ``--mb`` MB of float32 and pads with sleep to ``--step-ms``; rank 0 saves the state with
 ``torch.save`` every ``--ckpt-every`` steps, and every attempt resumes from
 the latest checkpoint. Each launcher's hang timer is armed the way its
 documentation says:
 
 - ``watchdogd``: ``watchdogd_client.expires(after=LEARN(initial=...), scope="step")``
   around the step (the deadline is learned by the daemon, ``--deadline`` on the
-  command line);
+  command line), and ``scope="compute"`` around the rank's own compute, before
+  the all-reduce: the step holds the collective, so a slow rank slows every
+  rank's step alike, and only the compute scope names it a straggler;
 - ``torchrun``: the process group's ``timeout=``;
 - ``nvrx``: ``RankMonitorClient`` sections ``setup``, ``step`` and
   ``checkpointing``; ``calculate_and_set_section_timeouts()`` once enough steps
@@ -17,7 +19,8 @@ documentation says:
 Faults are asked for from outside, through files the bench writes under
 ``OUT/flags``: ``hang-PID`` (this rank sleeps before its next all-reduce, so
 that its peers block inside the collective) and ``slow-PID`` (holding the
-wall time until which this rank's steps take ``--slow-factor`` times longer).
+wall time until which this rank's compute and steps take ``--slow-factor`` times
+longer).
 Crashes and lost nodes are signals from the bench.
 
 Every rank appends JSON lines to ``OUT/trainer.jsonl`` (one ``write`` each,
@@ -94,6 +97,15 @@ class Timers:
             yield
 
     @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        if self.launcher == "watchdogd":
+            # No --deadline rule names it: the initial is the call's (NVRx's step value).
+            with self.wd.expires(after=self.wd.LEARN(initial=180), scope="compute"):
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
     def checkpoint(self) -> Iterator[None]:
         if self.nvrx is not None:
             self.nvrx.start_section("checkpointing")
@@ -120,6 +132,7 @@ def main() -> int:
     parser.add_argument("launcher", choices=["watchdogd", "torchrun", "nvrx"])
     parser.add_argument("--mb", type=float, default=10.0)
     parser.add_argument("--step-ms", type=float, default=100.0)
+    parser.add_argument("--compute-ms", type=float, default=40.0)
     parser.add_argument("--ckpt-every", type=int, default=10)
     parser.add_argument("--slow-factor", type=float, default=1.5)
     parser.add_argument("--pg-timeout", type=float, default=1800.0)
@@ -154,15 +167,17 @@ def main() -> int:
     try:
         while True:
             began = time.time()
+            slow = args.slow_factor if slow_flag.exists() else 1.0
+            if slow != 1.0 and float(slow_flag.read_text() or 0) < began:
+                slow = 1.0
             with timers.step():
                 if hang_flag.exists():
                     log("hung", step=step + 1)
                     time.sleep(1e6)  # the peers block in the all_reduce below
+                with timers.compute():
+                    time.sleep(slow * args.compute_ms / 1000)
                 dist.all_reduce(grad)
                 model.add_(grad, alpha=1e-9)
-                slow = args.slow_factor if slow_flag.exists() else 1.0
-                if slow != 1.0 and float(slow_flag.read_text() or 0) < time.time():
-                    slow = 1.0
                 time.sleep(max(0.0, began + slow * args.step_ms / 1000 - time.time()))
             step += 1
             if rank == 0:

@@ -15,7 +15,10 @@ from outside:
 - ``node``: a node lost: its agent and every process below it SIGKILLed; a
   new agent (a new node) starts ``--node-return`` seconds later;
 - ``slow``: one rank's steps take 1.5x longer for ``--slow-for`` seconds (the
-  expected reaction: none; a kill is counted against the launcher).
+  expected reaction: a straggler flag and no kill; a kill is counted against the
+  launcher, unless ``--watchdogd-replace-stragglers S`` asked ``watchdogd run``
+  to step the slow rank's node aside for the standby, ``--standby``, after S s
+  of flag: then the loss is the slowed steps up to the swap plus its restart).
 
 The launchers, in the configuration their documentation gives for hangs:
 
@@ -31,7 +34,8 @@ The launchers, in the configuration their documentation gives for hangs:
   etcd``: a real etcd the bench starts, ``tests/etcd.py``'s binary,
   ``lease_ttl=--ttl``), ``--prewarm torch``, the step in
   ``expires(after=LEARN, scope="step")`` with ``--deadline
-  'step:initial=600,samples=200'`` (the README's example), ``--event-log``.
+  'step:initial=600,samples=200'`` (the README's example), the rank's compute
+  in ``scope="compute"`` (what names a straggler), ``--event-log``.
 
 On c10d a lost node is noticed by torch's keep-alive (``--keep-alive``,
 ``keep_alive_interval x keep_alive_max_attempt``, 2 x 2 s by default: 1 x 2
@@ -241,6 +245,7 @@ class Settings:
     standby: tuple[str, ...]
     """The launchers whose job gets a third agent, waiting."""
     watchdogd_rdzv: str
+    watchdogd_replace_stragglers: float | None = None
 
 
 class Run:
@@ -295,6 +300,12 @@ class Run:
             command = [watchdogd, "run", *rdzv, *common]
             command += ["--prewarm", "torch", "--deadline", "step:initial=600,samples=200"]
             command += ["--event-log", str(self.out / f"events-{name}.jsonl")]
+            # A quarantine names its node: agents sharing this machine need names apart.
+            command += ["--node-name", name]
+            if s.watchdogd_replace_stragglers is not None:
+                # Checked once per publish interval (10 s by default): 2 s here.
+                command += ["--replace-stragglers-after", str(s.watchdogd_replace_stragglers)]
+                command += ["--straggler-publish-interval", "2"]
             return placed(self.cgroup, [*command, *trainer]), env
         if self.launcher == "torchrun":
             command = [sys.executable, "-m", "torch.distributed.run", *common, *c10d]
@@ -536,6 +547,7 @@ def loss_of(
     attempts = {ln["gen"] for ln in run.lines if ln["ev"] == "loaded" and t_f < ln["t"] <= until}
     loss.restarts = len(attempts)
     new_gens = sorted({row[2] for row in steps if t_f < row[0] <= until and row[2] != old_gen})
+    progressed = 0.0  # what the old attempt still did after the fault (a slow rank's)
     if fault.kind == "slow":
         window_end = min(t_f + run.settings.slow_for, until)
         done = [row for row in steps if t_f < row[0] <= window_end]
@@ -544,6 +556,9 @@ def loss_of(
             loss.phases["steps_slowed"] = float(sum(1 for row in done if row[3]))
             return loss
         loss.note = "restarted: the launcher killed a slow rank"
+        if first_event_after(events, t_f, ("straggler_replaced",)) is not None:
+            loss.note = "replaced: the slow rank's node stepped aside for the standby"
+        progressed = clean * sum(1 for row in steps if row[2] == old_gen and row[0] > t_f)
     elif not attempts and any(row[0] > t_f for row in steps):
         loss.note, loss.lost_s = "no restart before the next fault", 0.0
         return loss
@@ -552,7 +567,7 @@ def loss_of(
         loss.note = loss.note or "no progress before the next fault: lost is a lower bound"
         loss.lost_s = until - t_f
         return loss
-    loss.lost_s = beyond[0][0] - t_f - clean
+    loss.lost_s = beyond[0][0] - t_f - clean - progressed
     new_gen = new_gens[0]
     lines = run.lines
     new_pids = {line["pid"] for line in lines if line["ev"] == "pg" and line["gen"] == new_gen}
@@ -568,7 +583,9 @@ def loss_of(
     caught = [row[0] for row in steps if row[2] == new_gen and row[1] >= s_f]
     marks: list[tuple[str, float]] = []
     detected = first_event_after(
-        events, t_f, ("timer_expired", "worker_failed", "worker_exited", "rdzv_node_lost")
+        events,
+        t_f,
+        ("timer_expired", "worker_failed", "worker_exited", "rdzv_node_lost", "straggler_replaced"),
     )
     if detected is not None:
         marks.append(("detection", detected))
@@ -743,6 +760,11 @@ def parser() -> argparse.ArgumentParser:
         "--watchdogd-rdzv", choices=["c10d", "etcd"], default="c10d",
         help="watchdogd's rendezvous (etcd: a real etcd the bench starts)",
     )  # fmt: skip
+    parser.add_argument(
+        "--watchdogd-replace-stragglers", type=float, metavar="S",
+        help="watchdogd run --replace-stragglers-after S (with --watchdogd-rdzv etcd "
+        "--standby): a node steps aside for its slow rank",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--analyse", metavar="DIR", help="report on a kept work directory again")
@@ -756,7 +778,7 @@ def main() -> int:
         args.duration, args.fault_every, args.seed, args.node_return, args.slow_for, args.ttl,
         keep_alive(args.keep_alive),
         args.torch_timeout, args.mb, args.step_ms, nvrx_dir, launcher_list(args.standby),
-        args.watchdogd_rdzv,
+        args.watchdogd_rdzv, args.watchdogd_replace_stragglers,
     )  # fmt: skip
     if args.analyse:
         results, kept = analyse_kept(Path(args.analyse))

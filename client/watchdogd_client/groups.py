@@ -275,6 +275,10 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     the node's (a signal, a hang, the OOM killer) and the first of its round in the job,
     set the node aside: it leaves the job until ``watchdogctl quarantine --clear`` (0: off)."""
     quarantine_window: Seconds = 3600.0
+    replace_stragglers_after: Seconds | None = None
+    """etcd: when one of this node's ranks stays named a straggler this long (a minority of
+    the job's ranks flagged on a scope) and a standby waits, this node steps aside: it is
+    quarantined, and the standby takes its group rank (None: off; flags never kill)."""
     worker_memory_max: MemoryBytes | None = None
     """Each worker's memory cap in bytes, with all it starts (its memory cgroup's
     ``memory.max`` or v1 ``memory.limit_in_bytes``; swap not counted); past it the
@@ -305,6 +309,11 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     f"faults[{index}].rank: {fault.rank} is not a rank of this job "
                     f"(ranks 0..{ranks - 1})"
                 )
+        if self.replace_stragglers_after is not None and self.rendezvous.backend != "etcd":
+            raise ValueError(
+                "replace_stragglers_after: needs the etcd rendezvous, where a standby waits "
+                "and a quarantine is kept"
+            )
         writes_files = self.redirects != "0" or self.tee != "0"
         filters = self.duplicate_stdout_filters or self.duplicate_stderr_filters
         if (writes_files or filters) and self.log_dir is None and self.logs_specs is None:

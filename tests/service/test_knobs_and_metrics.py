@@ -232,7 +232,9 @@ def test_standby_spares_ready_and_attempts_without_progress_show_in_the_metrics(
     infos = [group("waits", True, 0), group("runs", False, 2)]
     infos[1].spares = [SpareInfo(local_rank=0, pid=1, ready=True, ready_after_s=2.5),
                        SpareInfo(local_rank=1, pid=2, ready=False)]  # fmt: skip
-    no_stragglers = SimpleNamespace(board=Stragglers(), drilled=set(), drill_flags=0)
+    no_stragglers = SimpleNamespace(
+        board=Stragglers(), drilled=set(), drill_flags=0, replacements=0
+    )
     metrics = Metrics(
         Stats(),
         [],

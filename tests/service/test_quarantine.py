@@ -19,8 +19,9 @@ import anyio
 import msgspec
 import pytest
 
-from watchdogd.groups.etcd_documents import run_closed, run_prefix
-from watchdogd.groups.etcd_quarantine import QUARANTINE, SetAside
+from watchdogd.core.rdzv_state import NodeRecord
+from watchdogd.groups.etcd_documents import NODES, encode, run_closed, run_prefix
+from watchdogd.groups.etcd_quarantine import QUARANTINE, STEPPED_ASIDE, SetAside
 from watchdogd.groups.etcd_store import EtcdStore, parse_endpoints
 from watchdogd_client.groups import GroupSpec, GroupState, RendezvousSpec
 
@@ -107,3 +108,42 @@ async def test_a_node_cleared_by_the_operator_runs_again_without_a_stale_failure
         assert quarantined() is None
         names = [e.name for e in daemon.events.since()]
         assert names.count("node_quarantined") == 1 and "quarantine_over" in names
+
+
+@pytest.mark.anyio
+async def test_a_node_steps_aside_for_its_straggler_only_with_a_standby_and_once_a_round(
+    etcd: EtcdServer, short_dir: Path
+) -> None:
+    run = f"job-{uuid.uuid4().hex[:8]}"
+    spec = node_spec(etcd, run, quarantine_after=0, replace_stragglers_after=60.0)
+    full = msgspec.structs.replace(spec.rendezvous, nnodes=1)  # a round of one is full
+    spec = msgspec.structs.replace(spec, rendezvous=full)
+    reason = "straggler: rank 0 scope compute relative 0.50 for 60 s"
+    store = EtcdStore(parse_endpoints(etcd.endpoint), run_prefix(run), call_timeout=5,
+                      on_outage=lambda error: None)  # fmt: skip
+    async with running_daemon(short_dir, **DAEMON) as daemon:
+        runner = daemon.supervisor.submit(spec)
+        await wait_for(lambda: len(runner.workers) == 1, timeout=30)
+        quarantine = runner.quarantine
+        assert quarantine is not None  # kept for the replacement alone (quarantine_after 0)
+        assert not await quarantine.standby_waiting()
+        deadline = time.monotonic() + 10
+        try:
+            standby = NodeRecord(name="gpu-s:1", hostname="s", pid=1, addr="x", asks_after=-1)
+            await store.put(NODES + standby.name, encode(standby), deadline=deadline)
+            assert await quarantine.standby_waiting()
+            # Another node stepped aside in this round: the standby is its; this one stays.
+            round_ = runner.info().rendezvous.round  # type: ignore[union-attr]
+            taken = f"{STEPPED_ASIDE}{round_}"
+            assert await store.create(taken, b"{}", lease=0, deadline=deadline)
+            assert not await quarantine.step_aside(reason)
+            assert quarantine.reason is None
+            assert await store.get(QUARANTINE + "gpu-a", deadline=deadline) is None
+            await store.delete(taken, deadline=deadline)
+            assert await quarantine.step_aside(reason)
+            assert quarantine.reason == reason  # said at once, before it leaves
+            found = await store.get(QUARANTINE + "gpu-a", deadline=deadline)
+            assert found is not None
+            assert msgspec.json.decode(found.value, type=SetAside).reason == reason
+        finally:
+            await store.aclose()

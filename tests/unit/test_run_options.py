@@ -375,3 +375,21 @@ def test_the_quarantine_rule_and_node_name_from_either_front(tmp_path: Path) -> 
     with pytest.raises(OptionsError) as caught:
         group_spec(cli(*etcd, "--node-name", "a/b"), host(tmp_path))
     assert caught.value.field == "node_name"
+
+
+def test_replacing_stragglers_is_off_unless_asked_and_only_on_etcd(tmp_path: Path) -> None:
+    etcd = ("--rdzv-backend", "etcd", "--rdzv-endpoint", "etcd:2379", "--nnodes", "2:3")
+    assert group_spec(cli(*etcd), host(tmp_path)).replace_stragglers_after is None
+    spec = group_spec(cli(*etcd, "--replace-stragglers-after", "90"), host(tmp_path))
+    assert spec.replace_stragglers_after == 90.0
+    config = LaunchConfig(min_nodes=1, max_nodes=2, nproc_per_node=1, rdzv_backend="etcd",
+                          rdzv_endpoint="etcd:2379")  # fmt: skip
+    options = launch_options(config, ["prog"], replace_stragglers_after=30)
+    assert group_spec(options, host(tmp_path)).replace_stragglers_after == 30.0
+    with pytest.raises(OptionsError) as caught:
+        cli(*etcd, "--replace-stragglers-after", "0")
+    assert caught.value.field == "replace_stragglers_after"
+    c10d = ("--rdzv-backend", "c10d", "--rdzv-endpoint", "store:29400", "--nnodes", "2")
+    for front in (c10d, ()):
+        with pytest.raises(ValueError, match=r"^replace_stragglers_after: needs the etcd"):
+            group_spec(cli(*front, "--replace-stragglers-after", "30"), host(tmp_path))

@@ -131,6 +131,11 @@ def add_run_arguments(
         metavar="MINUTES",
         help=f"the window of --quarantine-after (default {_DEFAULT.quarantine_window:g})",
     )
+    flag("--replace-stragglers-after", type=float, metavar="SECONDS",
+          help="etcd: once one of this node's ranks stays named a straggler this long (a "
+          "minority of the job's ranks flagged on a scope) while a standby waits, this node "
+          "steps aside: quarantined until `watchdogctl quarantine --clear NAME`, the standby "
+          "in its group rank (default: off; a straggler is never killed)")  # fmt: skip
     flag("--standalone", action="store_true", help="single node, free port")
     flag("--role", help=f"worker role name (default {_DEFAULT.role})")
     flag("--log-dir", help="per-attempt, per-rank logs go here")

@@ -112,6 +112,15 @@ class StragglerShare(Protocol):
         (empty: the group is over here)."""
         ...
 
+    def fresh_peers(self, job: str) -> list[NodeSummary]:
+        """The other nodes' summaries of ``job`` that are not stale, as last received."""
+        ...
+
+    def stepped_aside(self, job: str, node: str, reason: str) -> None:
+        """This node left ``job`` for its straggler (``replace_stragglers_after``): the
+        event and the count."""
+        ...
+
 
 class GroupRuns(Protocol):
     """What the timer service keeps per run of a group, told when one starts and ends."""

@@ -116,6 +116,9 @@ class RunOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """etcd: node failures within ``quarantine_window`` that set the node aside (0: off)."""
     quarantine_window: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     """Minutes."""
+    replace_stragglers_after: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """etcd: seconds one of this node's ranks stays named a straggler before the node steps
+    aside for a waiting standby (None: off)."""
     role: str = "default"
     start_method: str = "spawn"
     log_dir: str | None = None
@@ -402,6 +405,7 @@ def group_spec(options: RunOptions, host: Host) -> GroupSpec:
         "progress_scope": options.progress_scope,
         "quarantine_after": options.quarantine_after,
         "quarantine_window": options.quarantine_window * 60,
+        "replace_stragglers_after": options.replace_stragglers_after,
         "role": options.role,
         "env": env,
         "log_dir": log_dir,

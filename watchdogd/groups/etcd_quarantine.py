@@ -3,11 +3,16 @@
 The rule (which failures are the node's, which count, when enough did) is
 :mod:`watchdogd.core.quarantine`'s. :class:`EtcdQuarantine` is the
 :class:`~watchdogd.groups.features.Feature` of an etcd group with
-``quarantine_after`` set. Its keys, under the run's prefix, carry no lease:
+``quarantine_after`` or ``replace_stragglers_after`` set (a node steps aside for
+a straggler of its own through :meth:`~EtcdQuarantine.step_aside`:
+:mod:`~watchdogd.groups.straggler_replacement`). Its keys, under the run's prefix, carry no lease:
 
 - ``first_failure/<round>``: the job's first failure of that round. A node
   whose worker failed while the round still ran claims it at once, with a
   create-only write; the one written is first (etcd's order).
+- ``stepped_aside/<round>``: the node that stepped aside for a straggler of
+  its own in that round (create-only: one per round, so two nodes never
+  both count on one standby);
 - ``quarantine/<node name>``: the node is set aside (:class:`SetAside`: why,
   since when). A restarted agent finds it before its first round; only
   ``watchdogctl quarantine --clear NAME``, on any node of the job, deletes it.
@@ -34,20 +39,30 @@ from watchdogd.core.quarantine import NodeFailures, NodeFault, counts_against_no
 from watchdogd.core.rdzv_state import (
     RendezvousConnectionError,
     RendezvousGracefulExitError,
+    asking,
+    standing_by,
     where,
 )
 from watchdogd.groups.etcd_backend import EtcdBackend
-from watchdogd.groups.etcd_documents import NODES, STATE, encode, run_prefix, state_of
+from watchdogd.groups.etcd_documents import (
+    NODES,
+    STATE,
+    encode,
+    read_records,
+    run_prefix,
+    state_of,
+)
 from watchdogd.groups.etcd_store import EtcdStore, Mirror, parse_endpoints
 from watchdogd.groups.features import Feature
 from watchdogd_client.groups import GroupSpec
 
-__all__ = ["QUARANTINE", "EtcdQuarantine", "SetAside"]
+__all__ = ["QUARANTINE", "STEPPED_ASIDE", "EtcdQuarantine", "SetAside"]
 
 log = logging.getLogger("watchdogd.rendezvous")
 
 QUARANTINE = "quarantine/"
 FIRST_FAILURE = "first_failure/"
+STEPPED_ASIDE = "stepped_aside/"
 _CALL_TIMEOUT = 5.0
 _ETCD_TIMEOUT = 60.0
 
@@ -157,6 +172,29 @@ class EtcdQuarantine(Feature):
             return
         self.reason = reason
         self._emit_set_aside(aside)
+
+    async def standby_waiting(self) -> bool:
+        """Whether a node stands by beside this node's full round, to take a rank."""
+        deadline = self._deadline()
+        state = state_of(await self.store.get(STATE, deadline=deadline))
+        if not standing_by(state, self.backend.spec.rendezvous.nnodes):
+            return False
+        return bool(asking(state, await read_records(self.store, deadline=deadline)))
+
+    async def step_aside(self, reason: str) -> bool:
+        """Set this node aside now (a straggler of its own); it leaves the job before
+        its next round, the way a node whose failures counted does. One node per round:
+        False when another claimed this round's step aside (the standby is its)."""
+        result = self.backend.result
+        if result is None:
+            return False
+        claim = encode({"node": self.node, "reason": reason})
+        key, deadline = f"{STEPPED_ASIDE}{result.round}", self._deadline()
+        if not await self.store.create(key, claim, lease=0, deadline=deadline):
+            return False
+        aside = await self._set_aside(reason, deadline)
+        self.reason = aside.reason  # said at once: the workers are still being stopped
+        return True
 
     async def _set_aside(self, reason: str, deadline: float) -> SetAside:
         aside = SetAside(reason, time.time())

@@ -76,6 +76,7 @@ from watchdogd.groups.gpu_release import GpuRelease
 from watchdogd.groups.logs_specs import CustomLogsSpecs, LogLayout, OwnLogs
 from watchdogd.groups.rendezvous import Rendezvous, open_rendezvous
 from watchdogd.groups.starters import CommandStarter, WorkerStarter
+from watchdogd.groups.straggler_replacement import StragglerReplacement
 from watchdogd.groups.workers import (
     Endpoints,
     Worker,
@@ -106,9 +107,11 @@ _DRAIN_TIMEOUT = 2.0
 def open_quarantine(
     spec: GroupSpec, rendezvous: Rendezvous, events: EventSink
 ) -> EtcdQuarantine | None:
-    """The quarantine of an etcd group that keeps one (``quarantine_after``); None elsewhere:
-    only etcd names nodes stably across agents and keeps a key past them."""
-    if spec.rendezvous.backend != "etcd" or not spec.quarantine_after:
+    """The quarantine of an etcd group that keeps one (``quarantine_after``, or a straggler
+    replaced, ``replace_stragglers_after``); None elsewhere: only etcd names nodes stably
+    across agents and keeps a key past them."""
+    keeps_one = spec.quarantine_after or spec.replace_stragglers_after is not None
+    if spec.rendezvous.backend != "etcd" or not keeps_one:
         return None
     from watchdogd.groups.etcd_backend import EtcdBackend
     from watchdogd.groups.etcd_quarantine import EtcdQuarantine
@@ -205,6 +208,12 @@ class GroupRunner:
             self.features.append(
                 StragglerSharing(stragglers, spec.name, self.rendezvous, lambda: self.placement)
             )
+            after = spec.replace_stragglers_after
+            if after is not None and self.quarantine is not None:
+                replacement = StragglerReplacement(
+                    after, stragglers, self.quarantine, spec.nproc, self._in_round, self._post
+                )
+                self.features.append(replacement)
         if spec.uninterruptible_state_timeout:
             timeout = spec.uninterruptible_state_timeout
             self.features.append(DStateWatch(timeout, lambda: self.workers, self._post))
@@ -261,6 +270,10 @@ class GroupRunner:
 
     def _post(self, event: Input) -> None:
         self._inbox_send.send_nowait(event)
+
+    def _in_round(self) -> Placement | None:
+        """This node's round while its attempt runs in it (None while it meets the job)."""
+        return None if self._meeting is not None else self.placement
 
     def _running_rank(self, rank: int) -> RankProcess | None:
         """The injector's view of global rank ``rank``'s worker, while it runs."""

@@ -264,6 +264,12 @@ class Metrics(Collector):
         flags.add_metric(["false"], watch.board.flags - drill_flags)
         flags.add_metric(["true"], drill_flags)
         yield flags
+        yield CounterMetricFamily(
+            "watchdogd_straggler_replacements",
+            "Times this node left its job for a straggler of its own, for a standby to take "
+            "its rank (replace_stragglers_after).",
+            watch.replacements,
+        )
 
 
 class Health(msgspec.Struct):

@@ -52,6 +52,8 @@ class StragglerWatch:
         """The flagged ranks' scopes whose flag a drill caused."""
         self.drill_flags = 0
         """Of the board's flags, those a drill caused."""
+        self.replacements = 0
+        """Times this node stepped aside for a straggler of its own (a counter)."""
 
     def reconfigure(self, settings: StragglerSettings) -> None:
         self.board.configure(settings.window, settings.threshold, settings.windows)
@@ -73,6 +75,16 @@ class StragglerWatch:
         if not summaries:
             del self.peers[job]
             self.node_ranks.pop(job, None)
+
+    def fresh_peers(self, job: str) -> list[NodeSummary]:
+        peers = self.peers.get(job)
+        return [] if peers is None else peers.fresh(time.monotonic(), self.publish_interval)
+
+    def stepped_aside(self, job: str, node: str, reason: str) -> None:
+        self.replacements += 1
+        self.events.emit_at(
+            logging.WARNING, "straggler_replaced", group=job, node=node, reason=reason
+        )
 
     def sample(
         self, key: ScopeKey, seconds: float, device: bool = False, injected: bool = False
