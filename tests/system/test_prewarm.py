@@ -225,7 +225,7 @@ GLOO_HANG = """
     rank, attempt = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"]
     total = torch.ones(1)
     if rank == 1 and attempt == "0":
-        with timer.expires(after=3):  # torch's own client and expires
+        with timer.expires(after=1):  # torch's own client and expires
             time.sleep(60)  # hung; rank 0 waits for it in all_reduce
     dist.all_reduce(total)
     print(f"rank {rank} attempt {attempt} sum {total.item()}", flush=True)
