@@ -180,6 +180,27 @@ def _spares_alive(token: str) -> list[int]:
     return alive
 
 
+# Each worker runs until a replacement spare of each rank has died, one of them twice.
+UNTIL_SPARES_DIED = """
+    import json, os, sys, time
+    events, deadline = sys.argv[1], time.monotonic() + 30
+
+    def died():
+        if not os.path.exists(events):
+            return []
+        with open(events) as f:
+            lines = [line for line in f if line.endswith("\\n") and '"spare_died"' in line]
+        return [json.loads(line)["metadata"]["local_rank"] for line in lines]
+
+    while time.monotonic() < deadline:
+        ranks = died()
+        if {0, 1} <= set(ranks) and max(ranks.count(0), ranks.count(1)) >= 2:
+            break
+        time.sleep(0.05)
+    print("worker done")
+"""
+
+
 def test_spares_leave_with_the_group_and_a_dying_one_is_reported(tmp_path: Path) -> None:
     # Every import of this module fails: the first spares still become the first
     # attempt's workers (their user code imports what it needs), and each replacement
@@ -189,10 +210,10 @@ def test_spares_leave_with_the_group_and_a_dying_one_is_reported(tmp_path: Path)
     token = f"wd_broken_{os.getpid()}"
     (site / f"{token}.py").write_text("raise ImportError('this module is broken')\n")
     worker = tmp_path / "worker.py"
-    worker.write_text("import time\ntime.sleep(4)\nprint('worker done')\n")
+    worker.write_text(textwrap.dedent(UNTIL_SPARES_DIED))
     events = tmp_path / "events.jsonl"
     out = run("--nproc-per-node", "2", "--prewarm", token, "--event-log", str(events),
-              str(worker), env={"PYTHONPATH": os.pathsep.join(
+              str(worker), str(events), env={"PYTHONPATH": os.pathsep.join(
                   filter(None, [str(site), os.environ.get("PYTHONPATH")]))})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("worker done") == 2
