@@ -190,6 +190,30 @@ def _spares_alive(token: str) -> list[int]:
     return alive
 
 
+# Each worker runs until a replacement spare of each rank has died, one of them twice.
+UNTIL_SPARES_DIED = """
+    import json, os, sys, time
+    import watchdogd_client as wd
+    # a step shown: the group is at work, so its spares' replacements start
+    wd.SocketTimerClient(os.environ["WATCHDOGD_SOCKET"]).progress(1)
+    events, deadline = sys.argv[1], time.monotonic() + 30
+
+    def died():
+        if not os.path.exists(events):
+            return []
+        with open(events) as f:
+            lines = [line for line in f if line.endswith("\\n") and '"spare_died"' in line]
+        return [json.loads(line)["metadata"]["local_rank"] for line in lines]
+
+    while time.monotonic() < deadline:
+        ranks = died()
+        if {0, 1} <= set(ranks) and max(ranks.count(0), ranks.count(1)) >= 2:
+            break
+        time.sleep(0.05)
+    print("worker done")
+"""
+
+
 def test_spares_leave_with_the_group_and_a_dying_one_is_reported(tmp_path: Path) -> None:
     # Every import of this module fails: the first spares still become the first
     # attempt's workers (their user code imports what it needs), and each replacement
@@ -200,14 +224,10 @@ def test_spares_leave_with_the_group_and_a_dying_one_is_reported(tmp_path: Path)
     token = f"wd_broken_{os.getpid()}"
     (site / f"{token}.py").write_text("raise ImportError('this module is broken')\n")
     worker = tmp_path / "worker.py"
-    worker.write_text(
-        "import os, time\nimport watchdogd_client as wd\n"
-        "wd.SocketTimerClient(os.environ['WATCHDOGD_SOCKET']).progress(1)\n"
-        "time.sleep(4)\nprint('worker done')\n"
-    )
+    worker.write_text(textwrap.dedent(UNTIL_SPARES_DIED))
     events = tmp_path / "events.jsonl"
     out = run("--nproc-per-node", "2", "--prewarm", token, "--event-log", str(events),
-              str(worker), env={"PYTHONPATH": os.pathsep.join(
+              str(worker), str(events), env={"PYTHONPATH": os.pathsep.join(
                   filter(None, [str(site), os.environ.get("PYTHONPATH")]))})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("worker done") == 2
@@ -240,7 +260,7 @@ GLOO_HANG = """
     rank, attempt = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"]
     total = torch.ones(1)
     if rank == 1 and attempt == "0":
-        with timer.expires(after=3):  # torch's own client and expires
+        with timer.expires(after=1):  # torch's own client and expires
             time.sleep(60)  # hung; rank 0 waits for it in all_reduce
     dist.all_reduce(total)
     print(f"rank {rank} attempt {attempt} sum {total.item()}", flush=True)
