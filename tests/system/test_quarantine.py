@@ -20,7 +20,7 @@ from typing import Any
 
 from ..conftest import wait_until
 from ..etcd import EtcdServer
-from ..report_then_wait import ANCESTORS, REPORT
+from ..report_then_wait import REPORT_RANK
 from .test_multinode import _kill_nodes, _socket_of, ctl, finish, node
 from .test_standby import CONF, of, ranks_run, standing_by
 
@@ -33,12 +33,7 @@ WORKER = (
 import json, os, signal, sys, time
 out = sys.argv[1]
 """
-    + ANCESTORS
-    + """
-report = {k: os.environ[k] for k in ("RANK", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")}
-report.update(started=time.time(), ancestors=ancestors())
-"""
-    + REPORT
+    + REPORT_RANK
     + """
 kill = os.path.join(out, "kill-" + os.environ["RANK"])
 while not os.path.exists(os.path.join(out, "done")):

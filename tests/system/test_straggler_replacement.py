@@ -21,7 +21,7 @@ from typing import Any
 
 from ..conftest import wait_until
 from ..etcd import EtcdServer
-from ..report_then_wait import ANCESTORS, REPORT
+from ..report_then_wait import REPORT_RANK
 from .test_multinode import _kill_nodes, _socket_of, ctl, finish, node
 from .test_quarantine import events_of
 from .test_standby import CONF, of, ranks_run, standing_by
@@ -34,12 +34,7 @@ import glob, json, os, sys, time
 import watchdogd_client as wd
 out = sys.argv[1]
 """
-    + ANCESTORS
-    + """
-report = {k: os.environ[k] for k in ("RANK", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")}
-report.update(started=time.time(), ancestors=ancestors())
-"""
-    + REPORT
+    + REPORT_RANK
     + """
 slow = os.path.join(out, f"slow-{os.getpid()}")
 while not os.path.exists(os.path.join(out, "done")):
