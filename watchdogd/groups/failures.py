@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from typing import TYPE_CHECKING
 
 from watchdogd.core.bad_program import BadProgram
 from watchdogd.core.progress import EXIT_NO_PROGRESS, StepProgress
@@ -20,14 +21,21 @@ from watchdogd.core.quarantine import NodeFault
 from watchdogd.groups.workers import Worker, describe_exit, read_error_file
 from watchdogd_client.groups import Failure
 
+if TYPE_CHECKING:  # only an etcd group has one, and only it imports etcd's client
+    from watchdogd.groups.etcd_quarantine import EtcdQuarantine
+
 __all__ = ["AttemptFailures"]
 
 
 class AttemptFailures:
-    def __init__(self, progress: StepProgress, node: str, keep: int) -> None:
+    def __init__(
+        self, progress: StepProgress, node: str, keep: int, quarantine: EtcdQuarantine | None
+    ) -> None:
         """``node``: this node's name in the summary; ``keep``: how many attempts' first
-        failures a summary may need (the no-progress limit, plus one)."""
+        failures a summary may need (the no-progress limit, plus one); ``quarantine``: told
+        each attempt's first failure, which alone counts against the node."""
         self.progress = progress
+        self.quarantine = quarantine
         self.node = node
         self.last: Failure | None = None
         self.attempt: dict[int, Failure] = {}
@@ -46,9 +54,8 @@ class AttemptFailures:
         reason: str,
         oom_kills: int = 0,
         fault: NodeFault | None = None,
-    ) -> bool:
-        """Record ``worker``'s failure (``fault``: what in it points at the node); whether it
-        is the first of its attempt."""
+    ) -> None:
+        """Record ``worker``'s failure (``fault``: what in it points at the node)."""
         first = not self.attempt
         self.last = self.attempt[worker.local_rank] = Failure(
             local_rank=worker.local_rank,
@@ -64,7 +71,8 @@ class AttemptFailures:
         if first:
             self.firsts.append(self.last)
             self.bad_program.first_failure(worker.rank, exitcode, self.last.error_message, fault)
-        return first
+            if self.quarantine is not None:
+                self.quarantine.first_failure(f"rank {worker.rank}: {reason}", fault)
 
     def group_failed(self, reason: str, exitcode: int) -> None:
         """The group itself could not run: no worker to name."""

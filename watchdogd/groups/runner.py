@@ -55,7 +55,7 @@ from watchdogd.core.group_machine import (
 )
 from watchdogd.core.ports import EventSink, GroupError, Hardware, StragglerShare
 from watchdogd.core.progress import StepProgress
-from watchdogd.core.quarantine import NodeFault, node_fault
+from watchdogd.core.quarantine import node_fault
 from watchdogd.core.rdzv_state import Change, RendezvousError, RendezvousGracefulExitError
 from watchdogd.core.workerenv import Placement, gpu_assignment
 from watchdogd.groups.attempt import AttemptLauncher
@@ -148,9 +148,6 @@ class GroupRunner:
         workers.track(spec.name, self.progress)
         self.workers: dict[int, Worker] = {}
         """The latest attempt's, in start order."""
-        self.failures = AttemptFailures(
-            self.progress, socket.gethostname(), spec.max_no_progress_restarts + 1
-        )
         self.do_not_requeue: list[str] = []
         """Once it failed: why the run must not be requeued (empty: a requeue may help)."""
         self.started_at = time.time()
@@ -185,6 +182,9 @@ class GroupRunner:
         self.cells = AttemptCells(containment, spec.name, events, spec.worker_memory_max)
         # Second: a node set aside leaves the job once its last attempt is gone.
         self.quarantine: EtcdQuarantine | None = open_quarantine(spec, self.rendezvous, events)
+        self.failures = AttemptFailures(
+            self.progress, socket.gethostname(), spec.max_no_progress_restarts + 1, self.quarantine
+        )
         quarantine = [] if self.quarantine is None else [self.quarantine]
         self.features: list[Feature] = [self.cells, *quarantine, self.binding, logs]
         """In the order they start; they close in the reverse."""
@@ -422,7 +422,7 @@ class GroupRunner:
                     self._report_exit(worker, exitcode)
             case WorkerStuck(local_rank) if local_rank in self.workers:
                 reason = "stuck in uninterruptible sleep (D state)"
-                self._record_failure(self.workers[local_rank], 0, reason)
+                self.failures.record(self.workers[local_rank], 0, reason)
 
     async def _apply(self, actions: list[Action]) -> GroupState | None:
         final = None
@@ -542,7 +542,7 @@ class GroupRunner:
             reason += "".join(f" ({note})" for note in notes)
             hung = expired_scope is not None
             fault = node_fault(exitcode, oom_kills=oom_kills, timer_expired=hung)
-            self._record_failure(worker, exitcode, reason, oom_kills, fault)
+            self.failures.record(worker, exitcode, reason, oom_kills, fault)
         self.events.emit_at(
             logging.WARNING if failed else logging.DEBUG,
             "worker_failed" if failed else "worker_exited",
@@ -554,18 +554,6 @@ class GroupRunner:
             oom_kills=oom_kills,
             memory_peak_bytes=memory.peak_bytes if memory is not None else None,
         )
-
-    def _record_failure(
-        self,
-        worker: Worker,
-        exitcode: int,
-        reason: str,
-        oom_kills: int = 0,
-        fault: NodeFault | None = None,
-    ) -> None:
-        first = self.failures.record(worker, exitcode, reason, oom_kills, fault)
-        if first and self.quarantine is not None:
-            self.quarantine.first_failure(f"rank {worker.rank}: {reason}", fault)
 
     async def _kill_everything(self) -> None:
         """On the way out: no worker survives, no output is lost; the last started goes first."""
