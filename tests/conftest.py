@@ -198,19 +198,21 @@ def watchdogd_run(
 
 
 def children(pid: int) -> list[int]:
-    """The children of process ``pid``, from every one of its threads, but its
-    containment keeper (``watchdogd/linux/keeper.py``: the daemon's, not the job's)."""
+    """The children of process ``pid``, from every one of its threads, but the daemon's
+    own helpers: its containment keeper (``watchdogd/linux/keeper.py``) and its torch
+    helper (``watchdogd.groups.torch_helper``), which are not the job's."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         found += [int(child) for child in (task / "children").read_text().split()]
-    return [child for child in found if not _is_keeper(child)]
+    return [child for child in found if not _is_own_helper(child)]
 
 
-def _is_keeper(pid: int) -> bool:
+def _is_own_helper(pid: int) -> bool:
     try:
-        return b"keeper.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+    return b"keeper.py" in command or b"watchdogd.groups.torch_helper" in command
 
 
 def kill_nodes(started: list[subprocess.Popen[str]]) -> None:

@@ -30,7 +30,7 @@ from watchdogd.core.rdzv_state import (
     waiting_count,
     where,
 )
-from watchdogd.groups.etcd_rendezvous import parse_endpoints, parse_nnodes
+from watchdogd.groups.etcd_rendezvous import parse_endpoints
 
 
 class Job:
@@ -194,6 +194,18 @@ def test_a_standby_takes_rank_zero_and_becomes_the_master() -> None:
     state = standby_took("a")
     assert state.members == ("e", "b", "c", "d")
     assert state.master_addr == "e.x"
+
+
+def test_the_round_uses_rank_0s_store_when_its_agent_hosts_one() -> None:
+    job = Job(max_nodes=2)
+    job.put("a", port=1111, store=True, asks_after=-1)
+    job.put("b", port=2222, asks_after=-1)
+    state = job.decide()
+    assert (state.master_port, state.master_store) == (1111, True)
+    job = Job(max_nodes=2)
+    job.put("a", port=1111, asks_after=-1)  # its helper still imports torch
+    job.put("b", port=2222, store=True, asks_after=-1)
+    assert (job.decide().master_port, job.state.master_store) == (1111, False)
 
 
 def test_standbys_fill_the_lost_ranks_lowest_first_in_the_order_they_asked() -> None:
@@ -503,11 +515,3 @@ def test_endpoints_parse_like_torchruns(value: str, expected: list[tuple[str, in
 def test_bad_endpoints_are_named(value: str) -> None:
     with pytest.raises(ValueError, match="endpoint"):
         parse_endpoints(value)
-
-
-def test_nnodes_parse_as_min_and_max() -> None:
-    assert parse_nnodes("2") == (2, 2)
-    assert parse_nnodes("1:4") == (1, 4)
-    for bad in ("0", "3:2", "a", "1:", "1:b"):
-        with pytest.raises(ValueError, match="--nnodes"):
-            parse_nnodes(bad)

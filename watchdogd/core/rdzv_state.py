@@ -44,7 +44,8 @@ Rules
   rank (a node cut off and back, whose rank a standby took meanwhile): the
   one from the later round wins, the other asks as a newcomer. Rank 0's
   address and port are the master endpoint, so a standby taking rank 0
-  becomes the master.
+  becomes the master; where its agent hosts a store there (its record's
+  ``store``), every rank is that store's client.
 - The dead (their key is gone) are in no list: a round never waits for them.
 - A node waiting beside a complete round with ``max_nodes`` members is a
   *standby* (:func:`standing_by`): no reason to restart, so it waits
@@ -144,6 +145,9 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     addr: str
     port: int = 0
     """The master port this node would serve as rank 0 (set when it asks)."""
+    store: bool = False
+    """Its agent hosts an empty store on ``port`` for the round it asks for (else rank 0's
+    process would host one)."""
     asks_after: int | None = None
     """It asks for a place in a round newer than this one (-1: any); None: it does not ask."""
     rank: int | None = None
@@ -168,6 +172,8 @@ class RoundState(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Complete: the round's nodes, in rank order (the world size is its length)."""
     master_addr: str = ""
     master_port: int = 0
+    master_store: bool = False
+    """Rank 0's agent hosts the job's store on the master port: every rank is a client."""
     restarts: int = 0
     """The job's restart count when the round completed."""
     waiting: int = 0
@@ -268,6 +274,7 @@ def _complete(
         members=tuple(members),
         master_addr=master.addr,
         master_port=master.port,
+        master_store=master.store,
         restarts=restarts,
     )
 

@@ -36,7 +36,7 @@ from watchdogd.groups.torch_helper import serve_tcp_store
 from watchdogd.groups.torch_wire import Hosting, HostStore
 from watchdogd.linux.net import bind_any
 
-__all__ = ["AgentStore", "LocalAgentStore"]
+__all__ = ["AgentStore", "LocalAgentStore", "RoundStores"]
 
 log = logging.getLogger("watchdogd.rendezvous")
 
@@ -138,3 +138,60 @@ class LocalAgentStore:
 
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(drop)
+
+
+class RoundStores:
+    """An empty store for each etcd round this node asks for, on a port made for it.
+
+    Without one, rank 0's process hosts the job's store in
+    ``init_process_group``; the other ranks, often up first (warm spares),
+    find nothing listening, and torch's client backs off 0.25-0.75 s before
+    it knocks again: the new process group's 0.5-0.8 s after every restart in
+    the goodput record. Here the agent hosts one before it asks for the
+    round, so whichever node gets rank 0 has a store listening before any
+    worker starts, and every rank is its client
+    (``TORCHELASTIC_USE_AGENT_STORE=True``), as under torchrun's agent.
+
+    Each round gets a new port: a store is advertised only in the round it
+    was made for, so no worker of an earlier round, however late it dies,
+    writes into the next round's store. The helper starts and imports torch
+    in the background (:meth:`run`); a round asked for meanwhile goes
+    without (rank 0 hosts), and so do all once the helper failed, or when
+    the workers' interpreter has no torch.
+    """
+
+    def __init__(self, python: str | None) -> None:
+        self.helper = TorchHelper(python)
+        self._unused: int | None = None
+        """The port of a store made and never advertised (the first, made at start)."""
+        self._ready = anyio.Event()
+        self._usable = False
+
+    async def run(self) -> None:
+        """Start the helper and have it make the first store (torch's import: seconds)."""
+        try:
+            if (await self.helper.start()).torch:
+                self._unused = (await self.helper.call(HostStore(), Hosting)).port
+                self._usable = True
+        except HelperError as e:
+            log.warning("the job's store stays with rank 0: %s", e)
+        finally:
+            self._ready.set()
+
+    async def next_port(self) -> int | None:
+        """The port of an empty store for the round about to be asked for; None while the
+        helper starts, or once it failed (rank 0 hosts)."""
+        if not (self._ready.is_set() and self._usable):
+            return None
+        port, self._unused = self._unused, None
+        if port is not None:
+            return port
+        try:
+            return (await self.helper.call(HostStore(), Hosting)).port
+        except HelperError as e:
+            self._usable = False
+            log.warning("the job's store goes to rank 0 from now on: %s", e)
+            return None
+
+    async def aclose(self) -> None:
+        await self.helper.aclose()

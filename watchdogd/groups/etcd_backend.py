@@ -19,7 +19,10 @@ nodes (the design's part 6, on
 - at the end, the exit barrier holds this node until every node's group
   finished (bounded by ``exit_barrier_timeout``);
 - straggler summaries: one leased key per node, watched by every node
-  (:meth:`~watchdogd.groups.etcd_rendezvous.EtcdRendezvous.share_summary`).
+  (:meth:`~watchdogd.groups.etcd_rendezvous.EtcdRendezvous.share_summary`);
+- the job's store: each node's agent hosts an empty one for every round it
+  asks for, on a new port (:class:`~watchdogd.groups.agent_store.RoundStores`),
+  and rank 0's is the job's.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import logging
 import math
 import socket
 from collections.abc import Callable, Mapping
+from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Self
 
@@ -40,6 +44,7 @@ from watchdogd.core.rdzv_state import (
     RendezvousGracefulExitError,
 )
 from watchdogd.core.workerenv import Placement
+from watchdogd.groups.agent_store import RoundStores
 from watchdogd.groups.etcd_rendezvous import EtcdRendezvous, RendezvousResult
 from watchdogd.linux.net import free_port, route_address
 from watchdogd_client.events import NodeState, RdzvEvent, record_rdzv_event
@@ -83,9 +88,17 @@ class EtcdBackend:
         self._local_restarts_seen = 0
         self._new_round = anyio.Event()
         self._watching: anyio.CancelScope | None = None
+        self.stores = RoundStores(spec.rendezvous.python)
+        self._exit = AsyncExitStack()
 
     async def __aenter__(self) -> Self:
-        await self.rendezvous.__aenter__()
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(self.rendezvous)
+            tasks = await stack.enter_async_context(anyio.create_task_group())
+            stack.push_async_callback(self.stores.aclose)
+            stack.callback(tasks.cancel_scope.cancel)  # first of all on the way out
+            tasks.start_soon(self.stores.run)
+            self._exit = stack.pop_all()
         return self
 
     async def __aexit__(
@@ -94,7 +107,7 @@ class EtcdBackend:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.rendezvous.__aexit__(exc_type, exc, tb)
+        await self._exit.__aexit__(exc_type, exc, tb)
 
     def _event(self, event: RdzvEvent) -> None:
         record_rdzv_event(event)
@@ -115,8 +128,11 @@ class EtcdBackend:
                 raise RendezvousClosedError(
                     f"the job used its {self.spec.max_restarts} restarts: closed on every node"
                 )
+        port = await self.stores.next_port()
         try:
-            self.result = await self.rendezvous.next_rendezvous(free_port(self.advertise))
+            self.result = await self.rendezvous.next_rendezvous(
+                port or free_port(self.advertise), store=port is not None
+            )
         except RendezvousGracefulExitError:
             self.needed = False
             raise

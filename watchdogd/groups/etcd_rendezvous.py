@@ -2,7 +2,7 @@
 
 One :class:`EtcdRendezvous` per node and job, selected by torchrun's flags
 ``--rdzv-backend etcd --rdzv-endpoint HOST:PORT[,HOST:PORT…] --rdzv-id RUN
---nnodes MIN:MAX`` (:func:`parse_endpoints`, :func:`parse_nnodes`). Its keys
+--nnodes MIN:MAX`` (:func:`parse_endpoints`). Its keys
 live under ``/watchdogd/rdzv/<run id>/``: every node's record (``nodes/``),
 the ``leader``, the round document (``state``), the job's ``restarts`` and
 the nodes' straggler summaries (``stragglers/``, :meth:`EtcdRendezvous.share_summary`);
@@ -56,11 +56,10 @@ through ``on_event``.
 
 Events (:class:`~watchdogd_client.events.RdzvEvent`, through ``on_event``):
 ``join``, ``round_complete`` (with rank and master endpoint), ``nodes_waiting``,
-``standby``, ``graceful_exit`` (the job ended without this node), ``node_lost``,
-``closed``, ``timeout``, ``exit_barrier``, ``etcd_unavailable`` and
-``etcd_available``; failures carry their message in ``error_trace``.
-
-A node beyond ``max_nodes`` stands by (``standby``, no join timeout) for a lost one's rank.
+``standby`` (a node beyond ``max_nodes``: no join timeout, it takes a lost
+one's rank), ``graceful_exit`` (the job ended without this node),
+``node_lost``, ``closed``, ``timeout``, ``exit_barrier``, ``etcd_unavailable``
+and ``etcd_available``; failures carry their message in ``error_trace``.
 
 A run id is single-use, as in torch: a finished run leaves its closed state
 behind, so a late node learns the job is over rather than starting it anew.
@@ -125,7 +124,6 @@ __all__ = [
     "RendezvousResult",
     "RendezvousTimeoutError",
     "parse_endpoints",
-    "parse_nnodes",
 ]
 
 log = logging.getLogger("watchdogd.rendezvous")
@@ -140,6 +138,7 @@ class RendezvousResult(msgspec.Struct, frozen=True, kw_only=True):
     group_world_size: int
     master_addr: str
     master_port: int
+    master_store: bool = False  # rank 0's agent hosts the job's store (use_agent_store)
     restart_count: int
     """The job's restarts so far (``TORCHELASTIC_RESTART_COUNT``), the same on every node."""
 
@@ -150,18 +149,8 @@ class RendezvousResult(msgspec.Struct, frozen=True, kw_only=True):
             master_addr=self.master_addr,
             master_port=self.master_port,
             run_id=self.run_id,
+            use_agent_store=self.master_store,
         )
-
-
-def parse_nnodes(value: str) -> tuple[int, int]:
-    """torchrun's ``--nnodes N`` or ``MIN:MAX`` as (min, max)."""
-    low, sep, high = value.partition(":")
-    if not low.isdigit() or (sep and not high.isdigit()):
-        raise ValueError(f"--nnodes {value!r}: expected N or MIN:MAX")
-    min_nodes, max_nodes = int(low), int(high) if sep else int(low)
-    if not 1 <= min_nodes <= max_nodes:
-        raise ValueError(f"--nnodes {value!r}: need 1 <= MIN <= MAX")
-    return min_nodes, max_nodes
 
 
 class EtcdRendezvous:
@@ -326,13 +315,14 @@ class EtcdRendezvous:
 
     # -- rendezvous --------------------------------------------------------------
 
-    async def next_rendezvous(self, master_port: int) -> RendezvousResult:
+    async def next_rendezvous(self, master_port: int, *, store: bool = False) -> RendezvousResult:
         """Take a place in the next round and wait until it completes.
 
         Called first at start and again after every restart: a node still in
         a running round leaves it, which tells the others to come back too.
-        ``master_port`` is where this node would serve as rank 0; rank 0's is
-        the job's. Raises :class:`RendezvousClosedError` (or its subclass
+        ``master_port`` is where this node would serve as rank 0 (``store``: with a
+        store its agent made for this round); rank 0's is the job's. Raises
+        :class:`RendezvousClosedError` (or its subclass
         :class:`RendezvousGracefulExitError`: the job ended while this node waited
         beside it), :class:`RendezvousTimeoutError`, :class:`RendezvousConnectionError`.
         """
@@ -343,6 +333,7 @@ class EtcdRendezvous:
         self._lease.record = msgspec.structs.replace(
             self._lease.record,
             port=master_port,
+            store=store,
             asks_after=after,
             rank=self._leader.rank,
             ended=False,
@@ -399,6 +390,7 @@ class EtcdRendezvous:
             group_world_size=len(state.members),
             master_addr=state.master_addr,
             master_port=state.master_port,
+            master_store=state.master_store,
             restart_count=state.restarts,
         )
         self._emit(

@@ -7,8 +7,9 @@ the daemon. It answers the requests of :mod:`watchdogd.groups.torch_wire`,
 one at a time, blocking as torch's agent does:
 
 - ``HostStore``: serve the job's ``TCPStore`` on the socket the daemon
-  bound (torchrun's agent store, ``TORCHELASTIC_USE_AGENT_STORE=True``), so
-  the store outlives every rank; asked again, an empty one instead;
+  bound, or on a port of its own (torchrun's agent store,
+  ``TORCHELASTIC_USE_AGENT_STORE=True``), so the store outlives every rank;
+  asked again, an empty one instead;
 - ``Open`` / ``NextRound`` / ``Poll`` / ``Finish``: the c10d rendezvous,
   through the handler torch's registry builds for torchrun's flags and a
   ``LocalElasticAgent`` whose ``_rendezvous`` and ``_exit_barrier`` are the
@@ -61,6 +62,7 @@ from watchdogd.groups.torch_wire import (
     Shared,
 )
 from watchdogd.linux.enter_cell import die_with_parent
+from watchdogd.linux.net import bind_any
 from watchdogd.linux.plugins import LOGS_SPECS_GROUP, load_entry_point, not_found
 from watchdogd_client.framing import FrameSplitter, frame
 
@@ -150,7 +152,11 @@ class _Helper:
 
     def host_store(self, request: HostStore) -> Hosting:
         self.store = None  # the last attempt's, dropped first: the new one is empty
-        self.store = serve_tcp_store(request.port, request.fd)
+        if request.fd is not None:
+            self.store = serve_tcp_store(request.port, request.fd)
+        else:
+            with bind_any(0) as sock:
+                self.store = serve_tcp_store(sock.getsockname()[1], sock.fileno())
         return Hosting(port=self.store.port)
 
     def open(self, request: Open) -> Opened:

@@ -49,11 +49,12 @@ MAX_FRAME = 1 << 24  # a Reify of thousands of ranks' variables fits
 
 class HostStore(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     """Serve the job's store (a ``TCPStore``) on ``fd``, a socket the daemon bound to
-    ``port`` and handed over (a store already served is dropped: the new one is
-    empty); replies :class:`Hosting` once it serves."""
+    ``port`` and handed over, or (``fd`` None) on a port of the helper's own (a store
+    already served is dropped: the new one is empty); replies :class:`Hosting`, with
+    the port, once it serves."""
 
-    fd: int
-    port: int
+    fd: int | None = None
+    port: int = 0
 
 
 class Open(msgspec.Struct, tag=True, frozen=True, kw_only=True):
