@@ -36,7 +36,8 @@ out = sys.argv[1]
     + ANCESTORS
     + """
 report = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_RANK",
-                                     "TORCHELASTIC_RESTART_COUNT")}
+                                     "TORCHELASTIC_RESTART_COUNT",
+                                     "TORCHELASTIC_USE_AGENT_STORE")}
 report.update(started=started, ancestors=ancestors())
 """
     + REPORT_THEN_WAIT
@@ -114,6 +115,9 @@ def test_a_standby_takes_the_lost_nodes_rank_and_the_others_keep_theirs(
     after = second_round()
     (taken,) = of(standby, after)
     assert (taken["GROUP_RANK"], taken["RANK"], taken["WORLD_SIZE"]) == (str(lost), str(lost), "4")
+    # Rank 0's agent hosts the store, a standby at rank 0 too: it offered its store as it
+    # stood by (it asked for its place before its helper had imported torch).
+    assert {r["TORCHELASTIC_USE_AGENT_STORE"] for r in after} == {"True"}
     assert {agent.pid: of(agent, after)[0]["GROUP_RANK"] for agent in members} == {
         agent.pid: before[agent.pid] for agent in members
     }

@@ -193,5 +193,10 @@ class RoundStores:
             log.warning("the job's store goes to rank 0 from now on: %s", e)
             return None
 
+    async def ready_port(self) -> int | None:
+        """:meth:`next_port`, once the helper has started."""
+        await self._ready.wait()
+        return await self.next_port()
+
     async def aclose(self) -> None:
         await self.helper.aclose()

@@ -94,7 +94,7 @@ class EtcdBackend:
     async def __aenter__(self) -> Self:
         async with AsyncExitStack() as stack:
             await stack.enter_async_context(self.rendezvous)
-            tasks = await stack.enter_async_context(anyio.create_task_group())
+            tasks = self._tasks = await stack.enter_async_context(anyio.create_task_group())
             stack.push_async_callback(self.stores.aclose)
             stack.callback(tasks.cancel_scope.cancel)  # first of all on the way out
             tasks.start_soon(self.stores.run)
@@ -129,6 +129,9 @@ class EtcdBackend:
                     f"the job used its {self.spec.max_restarts} restarts: closed on every node"
                 )
         port = await self.stores.next_port()
+        offering = anyio.CancelScope()
+        if port is None:
+            self._tasks.start_soon(self._offer_store, offering)
         try:
             self.result = await self.rendezvous.next_rendezvous(
                 port or free_port(self.advertise), store=port is not None
@@ -136,9 +139,22 @@ class EtcdBackend:
         except RendezvousGracefulExitError:
             self.needed = False
             raise
+        finally:
+            offering.cancel()
         self.restarts = self.result.restart_count
         self._new_round.set()
         return self.result.placement(), self.result.restart_count
+
+    async def _offer_store(self, scope: anyio.CancelScope) -> None:
+        """Asked before its store was ready (at start): offer it once it is, if the node
+        still waits then (a standby that takes rank 0 would otherwise host none)."""
+        with scope:
+            port = await self.stores.ready_port()
+            if port is not None:
+                try:
+                    await self.rendezvous.offer_store(port)
+                except RendezvousError as e:  # the next round asks with it anyway
+                    log.warning("store of %s not offered: %s", self.node_name, e)
 
     async def watch(self, on_change: Callable[[Change], None]) -> None:
         """Report the change that ends each round (once: the next round must start first)."""

@@ -237,6 +237,7 @@ class EtcdRendezvous:
         self._members: tuple[str, ...] = ()
         self._lost_self = False
         self.standby = False  # it waits beside a full round without it: no join timeout
+        self._waiting_for_place = False  # in next_rendezvous
 
     @property
     def node_id(self) -> str:
@@ -320,11 +321,10 @@ class EtcdRendezvous:
 
         Called first at start and again after every restart: a node still in
         a running round leaves it, which tells the others to come back too.
-        ``master_port`` is where this node would serve as rank 0 (``store``: with a
-        store its agent made for this round); rank 0's is the job's. Raises
-        :class:`RendezvousClosedError` (or its subclass
-        :class:`RendezvousGracefulExitError`: the job ended while this node waited
-        beside it), :class:`RendezvousTimeoutError`, :class:`RendezvousConnectionError`.
+        ``master_port`` is where this node would serve as rank 0 (``store``: its agent's
+        store for this round); rank 0's is the job's. Raises :class:`RendezvousClosedError`
+        (or its subclass :class:`RendezvousGracefulExitError`: the job ended while this
+        node waited beside it), :class:`RendezvousTimeoutError`, :class:`RendezvousConnectionError`.
         """
         deadline = time.monotonic() + self.join_timeout
         after = -1 if self._round is None else self._round
@@ -343,6 +343,7 @@ class EtcdRendezvous:
             "join", f"{self.node_id} asks for a place in a round after {after}", NodeState.INIT
         )
         waited = False  # beside a round without this node: the job may end without it
+        self._waiting_for_place = True
         try:
             while True:
                 state = self._state
@@ -362,7 +363,14 @@ class EtcdRendezvous:
                     with anyio.move_on_after(deadline - now):
                         await self._news()
         finally:
+            self._waiting_for_place = False
             self._stand_by(False)
+
+    async def offer_store(self, port: int) -> None:
+        """This node's agent now hosts a store on ``port``: offered while the node waits."""
+        if self._waiting_for_place and not self._lease.record.store:
+            self._lease.record = msgspec.structs.replace(self._lease.record, port=port, store=True)
+            await self._lease.publish(time.monotonic() + self.etcd_timeout)
 
     def _stand_by(self, standby: bool) -> None:
         if standby and not self.standby:
