@@ -22,7 +22,7 @@ import watchdogd_client as wd
 from watchdogd.core.config import Limits
 from watchdogd.daemon import Daemon
 from watchdogd.linux import procs
-from watchdogd.linux.endpoints import EndpointError
+from watchdogd.linux.endpoints import EndpointError, open_socket
 from watchdogd.linux.procs import ProcessHandle
 from watchdogd.service import process_watch
 from watchdogd_client import protocol as p
@@ -643,3 +643,10 @@ async def test_stale_socket_is_replaced_but_other_files_are_not(short_dir: Path)
         async with running_daemon(other):
             pass
     assert (other / "timer.fifo").read_text() == "precious"
+
+
+def test_a_socket_path_too_long_for_a_unix_socket_is_named_with_why(tmp_path: Path) -> None:
+    path = tmp_path / ("x" * 120) / "watchdogd.sock"
+    path.parent.mkdir()
+    with pytest.raises(EndpointError, match=r"AF_UNIX path too long: \d+ bytes, 107 at most"):
+        open_socket(path)

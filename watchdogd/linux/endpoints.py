@@ -132,7 +132,9 @@ def open_socket(path: Path, mode: int = 0o660, gid: int = -1) -> socket.socket:
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        raise EndpointError(f"cannot listen on {path}: {e.strerror}") from None
+        # A path over the 107 bytes sockaddr_un holds fails without an errno.
+        why = e.strerror or f"{e}: {len(os.fsencode(path))} bytes, 107 at most"
+        raise EndpointError(f"cannot listen on {path}: {why}") from None
     sock.setblocking(False)
     return sock
 
