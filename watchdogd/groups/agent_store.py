@@ -162,16 +162,14 @@ class RoundStores:
 
     def __init__(self, python: str | None) -> None:
         self.helper = TorchHelper(python)
-        self._unused: int | None = None
-        """The port of a store made and never advertised (the first, made at start)."""
         self._ready = anyio.Event()
         self._usable = False
 
     async def run(self) -> None:
-        """Start the helper and have it make the first store (torch's import: seconds)."""
+        """Start the helper and have it import torch (seconds), by serving a first store."""
         try:
             if (await self.helper.start()).torch:
-                self._unused = (await self.helper.call(HostStore(), Hosting)).port
+                await self.helper.call(HostStore(), Hosting)  # torch imported, a store served
                 self._usable = True
         except HelperError as e:
             log.warning("the job's store stays with rank 0: %s", e)
@@ -183,10 +181,7 @@ class RoundStores:
         helper starts, or once it failed (rank 0 hosts)."""
         if not (self._ready.is_set() and self._usable):
             return None
-        port, self._unused = self._unused, None
-        if port is not None:
-            return port
-        try:
+        try:  # a new one each time, also proof that the helper still serves
             return (await self.helper.call(HostStore(), Hosting)).port
         except HelperError as e:
             self._usable = False
