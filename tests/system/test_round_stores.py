@@ -48,13 +48,21 @@ sys.exit(1 if attempt == 1 else 0)  # both nodes restart once more
 """
 
 
+def two_nodes(
+    etcd: EtcdServer, tmp_path: Path, code: str, *, restarts: int
+) -> list[subprocess.Popen[str]]:
+    """Two nodes of one job (a rank each) running ``code``, which imports torch."""
+    pytest.importorskip("torch")
+    run = f"job-{uuid.uuid4().hex[:8]}"
+    flags = ("--max-restarts", str(restarts))
+    return [node(etcd, run, tmp_path, "2", 0, *flags, code=code) for _ in "ab"]
+
+
 @pytest.mark.timeout(120)
 def test_each_round_gets_an_empty_store_hosted_before_the_ranks_start(
     etcd: EtcdServer, tmp_path: Path
 ) -> None:
-    pytest.importorskip("torch")
-    run = f"job-{uuid.uuid4().hex[:8]}"
-    nodes = [node(etcd, run, tmp_path, "2", 0, "--max-restarts", "2", code=WORKER) for _ in "ab"]
+    nodes = two_nodes(etcd, tmp_path, WORKER, restarts=2)
     assert finish(*nodes, timeout=100) == [0, 0]
     seen = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "out").glob("*.json")}
     assert sorted(seen) == ["1-0", "1-1", "2-0", "2-1"], seen
@@ -115,12 +123,7 @@ def _serving(agent: subprocess.Popen[str]) -> bool:
 def test_a_node_whose_helper_died_goes_on_with_rank_0_hosting(
     etcd: EtcdServer, tmp_path: Path
 ) -> None:
-    pytest.importorskip("torch")
-    run = f"job-{uuid.uuid4().hex[:8]}"
-    nodes = [
-        node(etcd, run, tmp_path, "2", 0, "--max-restarts", "1", code=LOSES_ITS_HELPER)
-        for _ in "ab"
-    ]
+    nodes = two_nodes(etcd, tmp_path, LOSES_ITS_HELPER, restarts=1)
     # Each helper has imported torch and made its first store; then it dies.
     wait_until(lambda: all(map(_serving, nodes)), timeout=30)
     for n in nodes:
